@@ -1,0 +1,34 @@
+"""rewa.attention: geometries, exact dense attention returning `(out, lse)`, exact merging, and
+the `GeometricAttention` module. Knows nothing of indexes or the service."""
+
+from .dense import dense_attention
+from .dot import DotProduct
+from .euclidean import Euclidean
+from .geometry import DistanceGeometry, Geometry, Lift, ScaledExpTemperature, SoftplusTemperature
+from .merge import merge_attention
+from .modules import GeometricAttention
+from .poincare import PoincareBall
+from .product import AdaptiveProductGeometry, ProductGeometry
+from .registry import GEOMETRIES, make_geometry
+from .sphere import Sphere
+from .stereographic import KappaStereographic
+
+__all__ = [
+    "GEOMETRIES",
+    "AdaptiveProductGeometry",
+    "DistanceGeometry",
+    "DotProduct",
+    "Euclidean",
+    "GeometricAttention",
+    "Geometry",
+    "KappaStereographic",
+    "Lift",
+    "PoincareBall",
+    "ProductGeometry",
+    "ScaledExpTemperature",
+    "SoftplusTemperature",
+    "Sphere",
+    "dense_attention",
+    "make_geometry",
+    "merge_attention",
+]

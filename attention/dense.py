@@ -1,0 +1,257 @@
+"""Exact dense attention for any geometry, tiled over queries and keys with an online softmax.
+
+Memory is O(q_chunk x k_chunk) per batch element in the forward pass and in the backward pass,
+which recomputes each tile's logits instead of storing them (as FlashAttention does), so a
+131072-token self-attention fits in a few hundred MB. Gradients reach queries, keys, values and
+every learnable parameter of the geometry.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocator import retain_freed_memory
+from .dot import DotProduct
+from .geometry import Geometry
+from .numerics import compute_dtype
+
+DEFAULT_Q_CHUNK = 512
+DEFAULT_K_CHUNK = 4096
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    *,
+    q_chunk: int = DEFAULT_Q_CHUNK,
+    k_chunk: int = DEFAULT_K_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention `(out, lse)` under `geometry`.
+
+    Args:
+        q: queries `(..., Nq, d)`.
+        k: keys `(..., Nk, d)`.
+        v: values `(..., Nk, dv)`.
+        geometry: any `Geometry`; its `dim` must equal `d`.
+        mask: optional, broadcastable to `(..., Nq, Nk)`: boolean (True = attend) or float
+            (added to the logits).
+        causal: query i attends key j only if `j <= i + Nk - Nq` (aligned bottom-right, so
+            queries that continue a stored context see all of it; equal to SDPA when Nq = Nk).
+        q_chunk, k_chunk: tile sizes.
+
+    Returns:
+        `out (..., Nq, dv)` in the dtype of `q` and `lse (..., Nq)` (float32 for half inputs),
+        the natural-log partition function of each query's logits. A query that may attend no
+        key gets `out = 0`, `lse = -inf`.
+    """
+    _check_inputs(q, k, v, geometry, mask, q_chunk, k_chunk)
+    if _sdpa_applies(q, k, v, geometry, mask, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, scale=geometry.scale
+        )
+        return out, lse
+    if q.device.type == "cpu":
+        retain_freed_memory()
+    dtype = compute_dtype(q.dtype)
+    qw = geometry.witness(q.to(dtype))
+    kw = geometry.witness(k.to(dtype))
+    params = [p for p in geometry.parameters() if p.requires_grad]
+    out, lse = _TiledAttention.apply(
+        qw, kw, v.to(dtype), mask, causal, geometry, q_chunk, k_chunk, *params
+    )
+    return out.to(q.dtype), lse
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    mask: torch.Tensor | None,
+    q_chunk: int,
+    k_chunk: int,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 2:
+            raise ValueError(f"expected {name} of shape (..., N, d), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"expected a floating-point {name}, got {t.dtype}")
+    if q.shape[-1] != geometry.dim or k.shape[-1] != geometry.dim:
+        raise ValueError(
+            f"expected q and k with last dimension {geometry.dim} (the geometry's dim), "
+            f"got {q.shape[-1]} and {k.shape[-1]}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"expected as many values as keys, got {v.shape[-2]} and {k.shape[-2]}")
+    try:
+        batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+        if mask is not None:
+            torch.broadcast_shapes(mask.shape, (*batch, q.shape[-2], k.shape[-2]))
+    except RuntimeError as error:
+        raise ValueError(f"q, k, v and mask batch shapes do not broadcast: {error}") from None
+    if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError(f"expected a boolean or floating-point mask, got {mask.dtype}")
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
+
+
+def _sdpa_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> bool:
+    """PyTorch's fused CPU flash-attention kernel returns the same `(out, lse)` for the plain
+    dot-product geometry on same-shaped 4-D CPU inputs; use it there."""
+    return (
+        type(geometry) is DotProduct
+        and mask is None
+        and q.device.type == "cpu"
+        and q.dim() == 4
+        and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+        and v.shape[-1] == q.shape[-1]
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype in (torch.float32, torch.float64)
+        and k.shape[-2] > 0
+        and (not causal or q.shape[-2] == k.shape[-2])
+    )
+
+
+def _key_limit(causal: bool, q_end: int, n_keys: int, offset: int) -> int:
+    """Number of leading keys any query of a tile ending at `q_end` may see."""
+    return min(n_keys, q_end + offset) if causal else n_keys
+
+
+def _mask_tile(
+    logits: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    rows: slice,
+    cols: slice,
+    offset: int,
+) -> torch.Tensor:
+    """Apply the user mask and the causal mask to one tile of logits."""
+    if mask is not None:
+        tile = mask[
+            ...,
+            rows if mask.shape[-2] > 1 else slice(None),
+            cols if mask.shape[-1] > 1 else slice(None),
+        ]
+        if tile.dtype == torch.bool:
+            logits = logits.masked_fill(~tile, float("-inf"))
+        else:
+            logits = logits + tile.to(logits.dtype)
+    if causal and cols.stop - 1 > rows.start + offset:
+        query = torch.arange(rows.start, rows.stop, device=logits.device).unsqueeze(-1)
+        key = torch.arange(cols.start, cols.stop, device=logits.device)
+        logits = logits.masked_fill(key > query + offset, float("-inf"))
+    return logits
+
+
+def _tiled_forward(
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    mask: torch.Tensor | None,
+    causal: bool,
+    q_chunk: int,
+    k_chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_queries, n_keys = qw.shape[-2], kw.shape[-2]
+    offset = n_keys - n_queries
+    batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
+    out = qw.new_zeros(*batch, n_queries, v.shape[-1])
+    lse = qw.new_full((*batch, n_queries), float("-inf"))
+    for q_start in range(0, n_queries, q_chunk):
+        rows = slice(q_start, min(q_start + q_chunk, n_queries))
+        q_tile = qw[..., rows, :]
+        running_max = qw.new_full((*batch, rows.stop - rows.start), float("-inf"))
+        total = torch.zeros_like(running_max)
+        acc = qw.new_zeros(*batch, rows.stop - rows.start, v.shape[-1])
+        for k_start in range(0, _key_limit(causal, rows.stop, n_keys, offset), k_chunk):
+            cols = slice(k_start, min(k_start + k_chunk, n_keys))
+            logits = geometry.score(q_tile, kw[..., cols, :])
+            logits = _mask_tile(logits, mask, causal, rows, cols, offset)
+            new_max = torch.maximum(running_max, logits.amax(-1))
+            shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+            weights = logits.sub_(shift.unsqueeze(-1)).exp_()
+            rescale = torch.exp(running_max - shift)
+            total = total * rescale + weights.sum(-1)
+            acc = acc * rescale.unsqueeze(-1) + weights @ v[..., cols, :]
+            running_max = new_max
+        seen = total > 0
+        out[..., rows, :] = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
+        lse[..., rows] = torch.where(seen, running_max + total.log(), lse[..., rows])
+    return out, lse
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Tiled attention whose backward recomputes each tile's logits under autograd and pushes
+    `dL/dlogits = P * (dO V^T - rowsum(dO * O) + dL/dlse)` through them."""
+
+    @staticmethod
+    def forward(ctx, qw, kw, v, mask, causal, geometry, q_chunk, k_chunk, *params):
+        out, lse = _tiled_forward(qw, kw, v, geometry, mask, causal, q_chunk, k_chunk)
+        ctx.save_for_backward(qw, kw, v, out, lse, *params)
+        ctx.mask, ctx.causal, ctx.geometry = mask, causal, geometry
+        ctx.q_chunk, ctx.k_chunk = q_chunk, k_chunk
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        qw, kw, v, out, lse, *params = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        need_params = ctx.needs_input_grad[8:]
+        grad_q = torch.zeros_like(qw) if need_q else None
+        grad_k = torch.zeros_like(kw) if need_k else None
+        grad_v = torch.zeros_like(v) if need_v else None
+        grad_params = [
+            torch.zeros_like(p) if need else None
+            for p, need in zip(params, need_params, strict=True)
+        ]
+        targets = [p for p, need in zip(params, need_params, strict=True) if need]
+
+        n_queries, n_keys = qw.shape[-2], kw.shape[-2]
+        offset = n_keys - n_queries
+        finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        delta = (grad_out * out).sum(-1) - grad_lse
+        for q_start in range(0, n_queries, ctx.q_chunk):
+            rows = slice(q_start, min(q_start + ctx.q_chunk, n_queries))
+            for k_start in range(0, _key_limit(ctx.causal, rows.stop, n_keys, offset), ctx.k_chunk):
+                cols = slice(k_start, min(k_start + ctx.k_chunk, n_keys))
+                q_tile = qw[..., rows, :].detach().requires_grad_(need_q)
+                k_tile = kw[..., cols, :].detach().requires_grad_(need_k)
+                with torch.enable_grad():
+                    logits = ctx.geometry.score(q_tile, k_tile)
+                masked = _mask_tile(logits.detach(), ctx.mask, ctx.causal, rows, cols, offset)
+                probs = torch.exp(masked - finite_lse[..., rows].unsqueeze(-1))
+                g_out = grad_out[..., rows, :]
+                if need_v:
+                    grad_v[..., cols, :] += (probs.transpose(-1, -2) @ g_out).sum_to_size(
+                        grad_v[..., cols, :].shape
+                    )
+                inputs = [t for t, need in ((q_tile, need_q), (k_tile, need_k)) if need]
+                inputs += targets
+                if not inputs:
+                    continue
+                grad_logits = probs * (
+                    g_out @ v[..., cols, :].transpose(-1, -2) - delta[..., rows].unsqueeze(-1)
+                )
+                grads = iter(torch.autograd.grad(logits, inputs, grad_logits, allow_unused=True))
+                if need_q:
+                    grad_q[..., rows, :] += next(grads)
+                if need_k:
+                    grad_k[..., cols, :] += next(grads)
+                for i, need in enumerate(need_params):
+                    if need:
+                        g = next(grads)
+                        if g is not None:
+                            grad_params[i] += g
+        return (grad_q, grad_k, grad_v, None, None, None, None, None, *grad_params)

@@ -1,0 +1,38 @@
+"""Euclidean space `R^m` (SPEC 1.1): `d(x, y) = ||x - y||`, lift the identity with L2."""
+
+from __future__ import annotations
+
+import torch
+
+from .geometry import DistanceGeometry, Lift, Role, check_role, per_head
+from .numerics import gram_squared_distance, safe_norm, safe_sqrt
+
+
+def dist(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """||x - y|| along the last axis (finite gradient at x = y)."""
+    return safe_norm(x - y)
+
+
+def distance_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """||x_i - y_j|| for `x (..., n, d)`, `y (..., m, d)` -> `(..., n, m)`."""
+    return safe_sqrt(gram_squared_distance(x, y))
+
+
+class Euclidean(DistanceGeometry):
+    """Logits `-||q - k||^p / tau`."""
+
+    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        return distance_matrix(qw, kw)
+
+    def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        if self.power == 2:
+            squared = gram_squared_distance(qw, kw).clamp_min(0)
+            return squared * per_head(-1 / self.temperature())
+        return super().score(qw, kw)
+
+    def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
+        return dist(xw, yw)
+
+    def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
+        check_role(role)
+        return [Lift(w, "l2")]

@@ -1,0 +1,189 @@
+"""The `Geometry` interface every attention mechanism implements, and its shared parts.
+
+A geometry maps ambient vectors to witnesses, scores query witnesses against key witnesses (dense
+or on gathered candidates), and knows an exact *lift* that turns "best score under this geometry"
+into an ordinary L2 or inner-product search (SPEC 1).
+
+Shapes: inputs are `(..., N, d)` with heads as batch dimensions. A geometry built with `heads=H`
+holds per-head parameters of shape `(H,)` and expects the head axis third from the end of dense
+logits, i.e. inputs `(..., H, N, d)`; with `heads=1` its parameters broadcast against anything.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .numerics import inverse_softplus
+
+Metric = Literal["l2", "ip"]
+Role = Literal["query", "key"]
+
+
+class Lift(NamedTuple):
+    """Vectors whose L2 distance (`metric="l2"`, smaller is better) or inner product
+    (`metric="ip"`, larger is better) ranks keys exactly as the geometry's score does."""
+
+    vectors: torch.Tensor
+    metric: Metric
+
+
+def per_head(param: torch.Tensor) -> torch.Tensor:
+    """View a per-head parameter `(H,)` so it broadcasts against `(..., H, a, b)`.
+
+    With one head the parameter becomes a scalar and broadcasts against any shape.
+    """
+    return param.reshape(()) if param.numel() == 1 else param.reshape(-1, 1, 1)
+
+
+def check_role(role: str) -> None:
+    if role not in ("query", "key"):
+        raise ValueError(f"expected role 'query' or 'key', got {role!r}")
+
+
+class Geometry(nn.Module):
+    """Base class. Subclasses implement `score`, `score_at` and `lift`; `witness` defaults to the
+    identity.
+
+    Args:
+        dim: ambient (head) dimension `d` of queries and keys.
+        heads: number of heads whose parameters this geometry holds.
+    """
+
+    def __init__(self, dim: int, heads: int = 1) -> None:
+        super().__init__()
+        if dim < 1:
+            raise ValueError(f"expected dim >= 1, got {dim}")
+        if heads < 1:
+            raise ValueError(f"expected heads >= 1, got {heads}")
+        self.dim = dim
+        self.heads = heads
+
+    def witness(self, x: torch.Tensor) -> torch.Tensor:
+        """Map ambient vectors `(..., N, d)` to witnesses `(..., N, d_w)`."""
+        return x
+
+    def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """Dense logits `(..., nq, nk)` from query witnesses `(..., nq, d_w)` and key witnesses
+        `(..., nk, d_w)`, as a new tensor (attention kernels may overwrite it)."""
+        raise NotImplementedError
+
+    def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """Logits `(..., nq, C)` of each query `(..., nq, d_w)` against its own gathered
+        candidates `(..., nq, C, d_w)`."""
+        raise NotImplementedError
+
+    def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
+        """Exact lifts of witnesses for an L2 or inner-product index. Queries and keys may lift
+        differently (`role`). A product geometry returns one lift per component."""
+        raise NotImplementedError
+
+    def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Dense logits `(..., nq, nk)` from ambient queries and keys."""
+        return self.score(self.witness(q), self.witness(k))
+
+    def logits_at(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Logits `(..., nq, C)` from ambient queries `(..., nq, d)` and gathered ambient keys
+        `(..., nq, C, d)`. The witness map sees the keys as `(..., nq * C, d)`, so per-head
+        parameters keep their axis third from the end."""
+        kw = self.witness(k.flatten(-3, -2)).unflatten(-2, k.shape[-3:-1])
+        return self.score_at(self.witness(q), kw)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, heads={self.heads}"
+
+
+class ScaledExpTemperature(nn.Module):
+    """`tau = exp(lambda) * sqrt(d)` per head, `lambda` initialised to 0 (seed 004, SPEC 1.3)."""
+
+    def __init__(self, heads: int, dim: int) -> None:
+        super().__init__()
+        self.log_scale = nn.Parameter(torch.zeros(heads))
+        self.sqrt_dim = math.sqrt(dim)
+
+    def forward(self) -> torch.Tensor:
+        return self.log_scale.exp() * self.sqrt_dim
+
+
+class SoftplusTemperature(nn.Module):
+    """`tau = softplus(raw)` per head, initialised to `init` (SPEC 1.5)."""
+
+    def __init__(self, heads: int, init: float = 1.0) -> None:
+        super().__init__()
+        self.raw = nn.Parameter(torch.full((heads,), inverse_softplus(init)))
+
+    def forward(self) -> torch.Tensor:
+        return F.softplus(self.raw)
+
+
+TemperatureKind = Literal["scaled_exp", "softplus"]
+
+
+def make_temperature(
+    kind: TemperatureKind, heads: int, dim: int, init: float | None = None
+) -> nn.Module:
+    """Build a temperature module: `"scaled_exp"` (exp(lambda) sqrt(d); `init`, if given, sets
+    the initial tau) or `"softplus"` (softplus(raw); `init` defaults to 1)."""
+    if kind == "scaled_exp":
+        module = ScaledExpTemperature(heads, dim)
+        if init is not None:
+            if init <= 0:
+                raise ValueError(f"expected a positive initial temperature, got {init}")
+            module.log_scale.data.fill_(math.log(init / math.sqrt(dim)))
+        return module
+    if kind == "softplus":
+        return SoftplusTemperature(heads, 1.0 if init is None else init)
+    raise ValueError(f"expected temperature 'scaled_exp' or 'softplus', got {kind!r}")
+
+
+class DistanceGeometry(Geometry):
+    """A geometry whose logits are `-distance^power / tau`.
+
+    Subclasses implement `distance_matrix` (dense, Gram-based) and `distance` (pairwise along the
+    last axis, exact formulas for gathered candidates).
+
+    Args:
+        power: 1 or 2, the exponent `p` of the distance in the logit.
+        temperature: `"scaled_exp"` (default) or `"softplus"`.
+        tau_init: initial temperature (default: sqrt(d) for scaled_exp, 1 for softplus).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 1,
+        power: int = 1,
+        temperature: TemperatureKind = "scaled_exp",
+        tau_init: float | None = None,
+    ) -> None:
+        super().__init__(dim, heads)
+        if power not in (1, 2):
+            raise ValueError(f"expected power 1 or 2, got {power}")
+        self.power = power
+        self.temperature = make_temperature(temperature, heads, dim, tau_init)
+
+    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """Distances `(..., nq, nk)` between witnesses."""
+        raise NotImplementedError
+
+    def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
+        """Distances between witnesses paired along the last axis (broadcasting)."""
+        raise NotImplementedError
+
+    def _to_logits(self, dist: torch.Tensor) -> torch.Tensor:
+        if self.power == 2:
+            dist = dist.square()
+        return dist * per_head(-1 / self.temperature())
+
+    def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        return self._to_logits(self.distance_matrix(qw, kw))
+
+    def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        return self._to_logits(self.distance(qw.unsqueeze(-2), kw))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, power={self.power}"

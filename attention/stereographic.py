@@ -1,0 +1,262 @@
+"""kappa-stereographic model: one family for every curvature, continuous across kappa = 0
+(SPEC 1.3, after seed 004; conventions of geoopt's `Stereographic` manifold).
+
+Pure tensor functions first, then the `KappaStereographic` geometry that holds a per-head
+curvature. `kappa` arguments broadcast against the norms the functions take: against `x[..., :1]`
+for the maps that return points (`mobius_add`, `expmap0`, `logmap0`, `project`), and against
+the result for the scalar functions (`dist`, `distance_matrix`).
+
+kappa < 0 is the Poincare ball of radius 1/sqrt(-kappa), kappa > 0 the stereographic projection
+of the sphere of radius 1/sqrt(kappa), kappa = 0 Euclidean space with distance 2 ||x - y||.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .geometry import DistanceGeometry, Lift, Role, TemperatureKind, check_role, per_head
+from .numerics import (
+    artanh_eps,
+    asinh_of_sqrt,
+    boundary_eps,
+    gram_squared_distance,
+    safe_norm,
+    safe_sqrt,
+    tiny,
+)
+
+SERIES_LIMIT = 1e-2
+"""|kappa| x^2 below which the Taylor series in kappa is used (truncation error ~ 1e-12)."""
+
+Branch = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _by_curvature(
+    x: torch.Tensor, k: torch.Tensor, series: Branch, negative: Branch, positive: Branch
+) -> torch.Tensor:
+    """Evaluate a curvature-indexed function `f_k(x)` element by element.
+
+    `series(x, k)` is used where |k| x^2 < SERIES_LIMIT (always at k = 0), `negative(x, s)` and
+    `positive(x, s)` with `s = sqrt(|k|)` elsewhere. Every branch sees harmless inputs where it is
+    not selected, so no NaN or inf leaks into gradients through `torch.where`. When no gradient
+    with respect to `k` is needed and `k` has one strict sign everywhere, only the closed form runs
+    (exact in value; the series exists for d/dk near 0 and for k = 0 itself).
+    """
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    if not (k.requires_grad and torch.is_grad_enabled()):
+        if bool((k < 0).all()):
+            return negative(x, (-k).sqrt())
+        if bool((k > 0).all()):
+            return positive(x, k.sqrt())
+    x, k = torch.broadcast_tensors(x, k)
+    small = (k * x.square()).abs() < SERIES_LIMIT
+    neg = (k < 0) & ~small
+    pos = (k > 0) & ~small
+    zeros = torch.zeros_like(x)
+    ones = torch.ones_like(k)
+    value = series(torch.where(small, x, zeros), torch.where(small, k, zeros))
+    value_neg = negative(torch.where(neg, x, zeros), torch.where(neg, -k, ones).sqrt())
+    value_pos = positive(torch.where(pos, x, zeros), torch.where(pos, k, ones).sqrt())
+    return torch.where(neg, value_neg, torch.where(pos, value_pos, value))
+
+
+def _horner(z: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
+    result = torch.full_like(z, coefficients[-1])
+    for c in reversed(coefficients[:-1]):
+        result = result * z + c
+    return result
+
+
+_TAN_SERIES = (1.0, 1 / 3, 2 / 15, 17 / 315, 62 / 2835, 1382 / 155925)
+_ARTAN_SERIES = (1.0, -1 / 3, 1 / 5, -1 / 7, 1 / 9, -1 / 11)
+_ARSIN_SERIES = (1.0, 1 / 6, 3 / 40, 5 / 112, 35 / 1152, 63 / 2816)
+
+
+def tan_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """tanh(sqrt(-k) x)/sqrt(-k) (k<0), x (k=0), tan(sqrt(k) x)/sqrt(k) (k>0)."""
+    return _by_curvature(
+        x,
+        k,
+        lambda x, k: x * _horner(k * x.square(), _TAN_SERIES),
+        lambda x, s: torch.tanh(s * x) / s,
+        lambda x, s: torch.tan(s * x) / s,
+    )
+
+
+def artan_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The inverse of `tan_k`."""
+    limit = 1 - artanh_eps(x.dtype)
+    return _by_curvature(
+        x,
+        k,
+        lambda x, k: x * _horner(k * x.square(), _ARTAN_SERIES),
+        lambda x, s: torch.atanh((s * x).clamp(-limit, limit)) / s,
+        lambda x, s: torch.atan(s * x) / s,
+    )
+
+
+def arsin_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """arsinh(sqrt(-k) x)/sqrt(-k) (k<0), x (k=0), arcsin(sqrt(k) x)/sqrt(k) (k>0)."""
+    return _by_curvature(
+        x,
+        k,
+        lambda x, k: x * _horner(k * x.square(), _ARSIN_SERIES),
+        lambda x, s: torch.asinh(s * x) / s,
+        lambda x, s: torch.asin((s * x).clamp(-1.0, 1.0)) / s,
+    )
+
+
+def mobius_add(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """`x (+)_k y` along the last axis (SPEC 1.3)."""
+    x2 = x.square().sum(-1, keepdim=True)
+    y2 = y.square().sum(-1, keepdim=True)
+    xy = (x * y).sum(-1, keepdim=True)
+    numerator = (1 - 2 * k * xy - k * y2) * x + (1 + k * x2) * y
+    denominator = 1 - 2 * k * xy + k.square() * x2 * y2
+    return numerator / denominator.clamp_min(tiny(x.dtype))
+
+
+def project(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Clip norms to (1 - eps)/sqrt(-k) where k < 0 (eps 4e-3 float32, 1e-5 float64); identity
+    where k >= 0."""
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    norm = safe_norm(x, keepdim=True)
+    negative = k < 0
+    max_norm = (1 - boundary_eps(x.dtype)) / torch.where(negative, -k, torch.ones_like(k)).sqrt()
+    outside = negative & (norm > max_norm)
+    return torch.where(outside, x * (max_norm / norm), x)
+
+
+def expmap0(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Exponential map at the origin: `tan_k(||u||) u / ||u||`."""
+    norm = safe_norm(u, keepdim=True)
+    return u * (tan_k(norm, k) / norm)
+
+
+def logmap0(y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Logarithmic map at the origin: `artan_k(||y||) y / ||y||`."""
+    norm = safe_norm(y, keepdim=True)
+    return y * (artan_k(norm, k) / norm)
+
+
+def dist(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Geodesic distance between points paired along the last axis.
+
+    Computed as `2 arsin_k(||x - y|| / sqrt((1 + k|x|^2)(1 + k|y|^2)))`, which equals
+    `2 artan_k(||(-x) (+)_k y||)` (SPEC 1.3) and keeps full relative accuracy for close points
+    because the difference is taken before any cancellation.
+    """
+    chord = safe_norm(x - y) * _conformal_factor(x, k) * _conformal_factor(y, k)
+    return 2 * arsin_k(chord, k)
+
+
+def distance_matrix(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Distances `(..., n, m)` between `x (..., n, d)` and `y (..., m, d)` from one matrix
+    product: the squared conformal chord `|x - y|^2 / ((1 + k|x|^2)(1 + k|y|^2))` is a weighted
+    squared distance. `k` broadcasts against the `(..., n, m)` result (per head: `(H, 1, 1)`).
+
+    For a curvature of one strict sign that needs no gradient, `|k|` is folded into the product
+    and the closed form is applied directly (the dense-attention hot path).
+    """
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    row_k = _as_column(k)
+    x_weight = _conformal_factor(x, row_k).square()
+    y_weight = _conformal_factor(y, row_k).square()
+    if not (k.requires_grad and torch.is_grad_enabled()):
+        if bool((k < 0).all()):
+            scaled = gram_squared_distance(x, y, x_weight, y_weight * -row_k)
+            return asinh_of_sqrt(scaled) * (2 / (-k).sqrt())
+        if bool((k > 0).all()):
+            scaled = gram_squared_distance(x, y, x_weight, y_weight * row_k)
+            return torch.asin(safe_sqrt(scaled).clamp_max(1.0)) * (2 / k.sqrt())
+    return 2 * arsin_k(safe_sqrt(gram_squared_distance(x, y, x_weight, y_weight)), k)
+
+
+def _as_column(k: torch.Tensor) -> torch.Tensor:
+    """Per-head `k` shaped `(H, 1, 1)` for an `(..., H, n, m)` result, reshaped to `(H, 1)` for the
+    `(..., H, n)` row norms; scalars unchanged."""
+    k = torch.as_tensor(k)
+    return k.squeeze(-1) if k.dim() >= 2 else k
+
+
+def _conformal_factor(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """`1/sqrt(1 + k |x|^2)` along the last axis (no keepdim)."""
+    return (1 + k * x.square().sum(-1)).clamp_min(tiny(x.dtype)).rsqrt()
+
+
+def chord_lift(w: torch.Tensor, k: torch.Tensor, role: Role) -> Lift:
+    """Exact inner-product lift for every curvature, including k = 0 and mixed signs per head.
+
+    With `c = 1 + k|p|^2`: queries `(-(1 - k|q|^2)/c_q, 2q/c_q)`, keys `(2|p|^2/c_p, 2p/c_p)`.
+    Their inner product is `2|q|^2/c_q - 2 chord(q, p)^2`, so ranking keys by it descending is
+    ranking by `d_k` ascending. It is the hyperboloid (k<0) or sphere (k>0) lift of SPEC 1.3 with
+    the constant 1 removed, which keeps it well conditioned as k -> 0. `k` broadcasts against
+    `w[..., :1]`.
+    """
+    check_role(role)
+    squared = w.square().sum(-1, keepdim=True)
+    c = 1 + k * squared
+    first = -(1 - k * squared) / c if role == "query" else 2 * squared / c
+    return Lift(torch.cat([first, 2 * w / c], dim=-1), "ip")
+
+
+def _curvature_tensor(kappa: float | Sequence[float] | torch.Tensor, heads: int) -> torch.Tensor:
+    value = torch.as_tensor(kappa, dtype=torch.float32).flatten()
+    if value.numel() == 1:
+        return value.expand(heads).clone()
+    if value.numel() != heads:
+        raise ValueError(f"expected 1 or {heads} curvature values, got {value.numel()}")
+    return value.clone()
+
+
+class KappaStereographic(DistanceGeometry):
+    """Unified-curvature attention (seed 004): witnesses `project(expmap0(x))`, logits
+    `-d_k(q, k)^p / tau` with a per-head curvature that may be learned across 0.
+
+    Args:
+        kappa: initial curvature, one value or one per head.
+        learnable_kappa: make the curvature a parameter.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 1,
+        kappa: float | Sequence[float] | torch.Tensor = 0.0,
+        learnable_kappa: bool = True,
+        power: int = 1,
+        temperature: TemperatureKind = "scaled_exp",
+        tau_init: float | None = None,
+    ) -> None:
+        super().__init__(dim, heads, power, temperature, tau_init)
+        value = _curvature_tensor(kappa, heads)
+        if learnable_kappa:
+            self.kappa = nn.Parameter(value)
+        else:
+            self.register_buffer("kappa", value)
+
+    def curvature(self) -> torch.Tensor:
+        """The per-head curvature, shape `(heads,)`."""
+        return self.kappa
+
+    def _k(self, like: torch.Tensor) -> torch.Tensor:
+        return per_head(self.kappa).to(like.dtype)
+
+    def witness(self, x: torch.Tensor) -> torch.Tensor:
+        k = self._k(x)
+        return project(expmap0(x, k), k)
+
+    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        return distance_matrix(qw, kw, self._k(qw))
+
+    def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
+        return dist(xw, yw, self._k(xw))
+
+    def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
+        return [chord_lift(w, self._k(w), role)]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, learnable_kappa={isinstance(self.kappa, nn.Parameter)}"

@@ -1,0 +1,37 @@
+"""Time and peak-memory measurement shared by the benchmarks and the memory tests."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak resident set size of this process (Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the last reset (VmHWM)."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def current_rss_bytes() -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+def measure(fn: Callable[[], T]) -> tuple[T, float, int]:
+    """Run `fn` once: its result, wall seconds and the peak RSS (bytes) of the process during
+    the call."""
+    reset_peak_rss()
+    start = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - start
+    return result, seconds, peak_rss_bytes()

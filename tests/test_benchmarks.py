@@ -1,0 +1,40 @@
+"""The benchmark scripts run end to end at a tiny size and write well-formed results (their
+numbers are checked by reading them, never by tests)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "dense.py"),
+            "--sizes",
+            "256",
+            "512",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    records = json.loads((tmp_path / "dense.json").read_text())
+    keys = {"method", "geometry", "n", "d", "seconds", "peak_rss_bytes"}
+    assert all(set(r) == keys for r in records)
+    methods = {(r["method"], r["geometry"]) for r in records}
+    assert ("sdpa", "dot") in methods and ("rewa-tiled", "dot") in methods
+    assert {g for m, g in methods if m == "rewa"} == {
+        "dot",
+        "euclidean",
+        "sphere",
+        "poincare",
+        "product",
+    }
+    assert {r["n"] for r in records} == {256, 512}
+    assert (tmp_path / "dense.png").stat().st_size > 10_000

@@ -1,0 +1,170 @@
+"""Exact dense attention against a naive float64 softmax, for every geometry (SPEC 1, 7)."""
+
+import math
+
+import pytest
+import torch
+from rewa.attention import DotProduct, dense_attention, merge_attention
+from torch.nn import functional as F
+
+from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from tests import reference
+from tests.support import GEOMETRY_NAMES, build_geometry
+
+F64 = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def inputs(nq=23, nk=37, d=8, dv=5, batch=(2, 3)):
+    q = torch.randn(*batch, nq, d, dtype=torch.float64)
+    k = torch.randn(*batch, nk, d, dtype=torch.float64)
+    v = torch.randn(*batch, nk, dv, dtype=torch.float64)
+    return q, k, v
+
+
+def naive(q, k, v, geometry, allowed=None):
+    return reference.dense_softmax_attention(geometry.logits(q, k), v, allowed)
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+@pytest.mark.parametrize("chunks", [(4, 5), (512, 4096)])
+def test_equals_naive_softmax(name, chunks):
+    g = build_geometry(name, 8, heads=3)
+    q, k, v = inputs()
+    out, lse = dense_attention(q, k, v, g, q_chunk=chunks[0], k_chunk=chunks[1])
+    expected_out, expected_lse = naive(q, k, v, g)
+    torch.testing.assert_close(out, expected_out, **F64)
+    torch.testing.assert_close(lse, expected_lse, **F64)
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+@pytest.mark.parametrize("nq", [37, 12])
+def test_causal_is_aligned_bottom_right(name, nq):
+    g = build_geometry(name, 8, heads=3)
+    q, k, v = inputs(nq=nq, nk=37)
+    allowed = torch.ones(nq, 37, dtype=torch.bool).tril(37 - nq)
+    out, lse = dense_attention(q, k, v, g, causal=True, q_chunk=5, k_chunk=7)
+    expected_out, expected_lse = naive(q, k, v, g, allowed)
+    torch.testing.assert_close(out, expected_out, **F64)
+    torch.testing.assert_close(lse, expected_lse, **F64)
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_boolean_and_additive_masks(name):
+    g = build_geometry(name, 8, heads=3)
+    q, k, v = inputs()
+    allowed = torch.rand(2, 1, 23, 37) > 0.3
+    out, lse = dense_attention(q, k, v, g, mask=allowed, q_chunk=6, k_chunk=8)
+    expected_out, expected_lse = naive(q, k, v, g, allowed)
+    torch.testing.assert_close(out, expected_out, **F64)
+    torch.testing.assert_close(lse, expected_lse, **F64)
+
+    bias = torch.randn(23, 37, dtype=torch.float64)
+    out, lse = dense_attention(q, k, v, g, mask=bias, q_chunk=6, k_chunk=8)
+    expected_out, expected_lse = reference.dense_softmax_attention(g.logits(q, k) + bias, v)
+    torch.testing.assert_close(out, expected_out, **F64)
+    torch.testing.assert_close(lse, expected_lse, **F64)
+
+
+def test_key_padding_mask_and_fully_masked_rows():
+    g = build_geometry("poincare", 8)
+    q, k, v = inputs(batch=(2,))
+    padding = torch.ones(2, 1, 37, dtype=torch.bool)
+    padding[1, :, 30:] = False
+    out, lse = dense_attention(q, k, v, g, mask=padding, q_chunk=8, k_chunk=8)
+    expected_out, _ = naive(q[1:], k[1:, :30], v[1:, :30], g)
+    torch.testing.assert_close(out[1:], expected_out, **F64)
+
+    nothing = torch.zeros(23, 37, dtype=torch.bool)
+    nothing[::2] = True
+    out, lse = dense_attention(q, k, v, g, mask=nothing, q_chunk=8, k_chunk=8)
+    assert torch.equal(out[:, 1::2], torch.zeros_like(out[:, 1::2]))
+    assert torch.isneginf(lse[:, 1::2]).all() and torch.isfinite(lse[:, ::2]).all()
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_merging_the_two_halves_equals_the_whole(name):
+    g = build_geometry(name, 8, heads=3)
+    q, k, v = inputs()
+    whole = dense_attention(q, k, v, g)
+    first = dense_attention(q, k[..., :15, :], v[..., :15, :], g)
+    second = dense_attention(q, k[..., 15:, :], v[..., 15:, :], g)
+    merged = merge_attention(first, second)
+    torch.testing.assert_close(merged[0], whole[0], **F64)
+    torch.testing.assert_close(merged[1], whole[1], **F64)
+
+
+def test_merge_handles_parts_that_saw_no_key():
+    out = torch.randn(4, 3, dtype=torch.float64)
+    lse = torch.randn(4, dtype=torch.float64)
+    empty = (torch.zeros(4, 3, dtype=torch.float64), torch.full((4,), -math.inf))
+    merged_out, merged_lse = merge_attention((out, lse), empty)
+    torch.testing.assert_close(merged_out, out)
+    torch.testing.assert_close(merged_lse, lse)
+    none_out, none_lse = merge_attention(empty, empty)
+    assert torch.equal(none_out, empty[0]) and torch.isneginf(none_lse).all()
+    with pytest.raises(ValueError):
+        merge_attention()
+
+
+def test_dot_product_fast_path_equals_sdpa_and_the_tiled_kernel():
+    q, k, v = (torch.randn(2, 4, 300, 16) for _ in range(3))
+    g = DotProduct(16)
+    out, lse = dense_attention(q, k, v, g, causal=True)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    logits = (q @ k.transpose(-1, -2) / 4).masked_fill(
+        ~torch.ones(300, 300, dtype=torch.bool).tril(), -math.inf
+    )
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+    mask = torch.ones(300, 300, dtype=torch.bool).tril()  # a mask forces the tiled kernel
+    tiled_out, tiled_lse = dense_attention(q, k, v, g, mask=mask, q_chunk=64, k_chunk=64)
+    torch.testing.assert_close(tiled_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tiled_lse, lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
+def test_half_precision_inputs_accumulate_in_float32(name, dtype):
+    g = build_geometry(name, 8).float()
+    q, k, v = (t.float() for t in inputs(batch=(2,)))
+    out, lse = dense_attention(q.to(dtype), k.to(dtype), v.to(dtype), g)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    expected_out, expected_lse = dense_attention(
+        q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), g
+    )
+    torch.testing.assert_close(out.float(), expected_out, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_memory_stays_bounded_by_the_tile():
+    """A 16384-token self-attention holds tiles, never the N x N logits (1 GiB in float32): the
+    peak resident memory grows by far less than that."""
+    g = build_geometry("sphere", 16).float()
+    q, k, v = (torch.randn(16384, 16) for _ in range(3))
+    baseline = current_rss_bytes()
+    with torch.no_grad():
+        dense_attention(q, k, v, g, q_chunk=256, k_chunk=1024)
+    reset_peak_rss()
+    with torch.no_grad():
+        dense_attention(q, k, v, g, q_chunk=256, k_chunk=1024)
+    growth = peak_rss_bytes() - baseline
+    assert growth < 128 * 2**20, f"peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"q": torch.randn(4, 7)}, ValueError, "last dimension 8"),
+        ({"v": torch.randn(5, 3)}, ValueError, "as many values as keys"),
+        ({"mask": torch.ones(3, 4, 5, dtype=torch.bool)}, ValueError, "broadcast"),
+        ({"mask": torch.ones(4, 6, dtype=torch.int64)}, TypeError, "boolean or floating"),
+        ({"q": torch.ones(4, 8, dtype=torch.int64)}, TypeError, "floating-point q"),
+        ({"q_chunk": 0}, ValueError, "positive chunk"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, error, match):
+    g = build_geometry("euclidean", 8).float()
+    arguments = {"q": torch.randn(4, 8), "k": torch.randn(6, 8), "v": torch.randn(6, 3)}
+    arguments.update(kwargs)
+    options = {key: arguments.pop(key) for key in ("mask", "q_chunk") if key in arguments}
+    with pytest.raises(error, match=match):
+        dense_attention(arguments["q"], arguments["k"], arguments["v"], g, **options)

@@ -1,0 +1,21 @@
+"""The README's library example runs as written and prints what its comments say."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_library_example_runs_and_prints_what_it_claims():
+    text = README.read_text()
+    example = re.search(r"## Library\n\n```python\n(.*?)```", text, re.S).group(1)
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == "torch.Size([2, 8, 1024, 64]) torch.Size([2, 8, 1024])"
+    assert lines[1] == "True"
+    assert len(json.loads(lines[2])) == 4  # one kappa_eff per head
