@@ -49,11 +49,10 @@ def dense_attention(
         key gets `out = 0`, `lse = -inf`.
     """
     _check_inputs(q, k, v, geometry, mask, q_chunk, k_chunk)
+    if mask is not None and mask.dim() < 2:
+        mask = mask.reshape(1, -1)
     if _sdpa_applies(q, k, v, geometry, mask, causal):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, is_causal=causal, scale=geometry.scale
-        )
-        return out, lse
+        return _fused_dot_product(q, k, v, geometry.scale, causal)
     if q.device.type == "cpu":
         retain_freed_memory()
     dtype = compute_dtype(q.dtype)
@@ -108,12 +107,11 @@ def _sdpa_applies(
     causal: bool,
 ) -> bool:
     """PyTorch's fused CPU flash-attention kernel returns the same `(out, lse)` for the plain
-    dot-product geometry on same-shaped 4-D CPU inputs; use it there."""
+    dot-product geometry on CPU inputs of one shape and dtype; use it there."""
     return (
         type(geometry) is DotProduct
         and mask is None
         and q.device.type == "cpu"
-        and q.dim() == 4
         and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
         and v.shape[-1] == q.shape[-1]
         and q.dtype == k.dtype == v.dtype
@@ -121,6 +119,17 @@ def _sdpa_applies(
         and k.shape[-2] > 0
         and (not causal or q.shape[-2] == k.shape[-2])
     )
+
+
+def _fused_dot_product(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel on inputs flattened to its `(B, 1, N, d)` layout."""
+    batch = q.shape[:-2]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        *(t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v)), is_causal=causal, scale=scale
+    )
+    return out.reshape(*batch, *out.shape[-2:]), lse.reshape(*batch, lse.shape[-1])
 
 
 def _key_limit(causal: bool, q_end: int, n_keys: int, offset: int) -> int:

@@ -13,16 +13,21 @@ def dist(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return safe_norm(x - y)
 
 
-def distance_matrix(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """||x_i - y_j|| for `x (..., n, d)`, `y (..., m, d)` -> `(..., n, m)`."""
-    return safe_sqrt(gram_squared_distance(x, y))
+def distance_matrix(
+    x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`scale * ||x_i - y_j||` for `x (..., n, d)`, `y (..., m, d)` -> `(..., n, m)`."""
+    distance = safe_sqrt(gram_squared_distance(x, y))
+    return distance if scale is None else distance * scale
 
 
 class Euclidean(DistanceGeometry):
     """Logits `-||q - k||^p / tau`."""
 
-    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return distance_matrix(qw, kw)
+    def distance_matrix(
+        self, qw: torch.Tensor, kw: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return distance_matrix(qw, kw, scale)
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         if self.power == 2:

@@ -166,24 +166,28 @@ class DistanceGeometry(Geometry):
         self.power = power
         self.temperature = make_temperature(temperature, heads, dim, tau_init)
 
-    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        """Distances `(..., nq, nk)` between witnesses."""
+    def distance_matrix(
+        self, qw: torch.Tensor, kw: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Distances `(..., nq, nk)` between witnesses, multiplied by `scale` (a per-head factor
+        folded into the computation's last multiplication) when given."""
         raise NotImplementedError
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         """Distances between witnesses paired along the last axis (broadcasting)."""
         raise NotImplementedError
 
-    def _to_logits(self, dist: torch.Tensor) -> torch.Tensor:
+    def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        inverse_tau = per_head(1 / self.temperature())
+        if self.power == 2:
+            return self.distance_matrix(qw, kw, inverse_tau.sqrt()).square().neg()
+        return self.distance_matrix(qw, kw, -inverse_tau)
+
+    def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        dist = self.distance(qw.unsqueeze(-2), kw)
         if self.power == 2:
             dist = dist.square()
         return dist * per_head(-1 / self.temperature())
-
-    def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return self._to_logits(self.distance_matrix(qw, kw))
-
-    def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return self._to_logits(self.distance(qw.unsqueeze(-2), kw))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, power={self.power}"

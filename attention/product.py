@@ -16,18 +16,20 @@ from torch.nn import functional as F
 
 from . import euclidean, sphere, stereographic
 from .geometry import Geometry, Lift, Role, TemperatureKind, check_role, make_temperature, per_head
-from .numerics import inverse_softplus
+from .numerics import inverse_softplus, safe_sqrt
 
 COMPONENTS = ("euclidean", "sphere", "hyperbolic")
 KAPPA_EFF_NOTE = "heuristic (seed 000 Cor. 4.8): (c - b) / (a + b + c)"
 
 
-def _component_distance_matrix(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def _component_distance_matrix(
+    name: str, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     if name == "euclidean":
-        return euclidean.distance_matrix(x, y)
+        return euclidean.distance_matrix(x, y, scale)
     if name == "sphere":
-        return sphere.distance_matrix(x, y)
-    return stereographic.distance_matrix(x, y, torch.tensor(-1.0, dtype=x.dtype))
+        return sphere.distance_matrix(x, y, scale)
+    return stereographic.distance_matrix(x, y, torch.tensor(-1.0, dtype=x.dtype), scale)
 
 
 def _component_distance(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -135,29 +137,32 @@ class ProductGeometry(Geometry):
             for name in COMPONENTS
         }
 
-    def _combine(
-        self, distances: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        total = 0
-        for name, value in distances.items():
-            term = value.square() if self.power == 2 else value
-            total = total + weights[name] * term
-        return total * per_head(-1 / self.temperature())
-
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        """Each component's weight and the temperature fold into that component's last
+        multiplication, `-(w/tau) d` (p = 1) or `-(sqrt(w/tau) d)^2` (p = 2), then a sum."""
         q_parts, k_parts = self.split(qw), self.split(kw)
-        distances = {
-            name: _component_distance_matrix(name, q_parts[name], k_parts[name])
-            for name in self.present
-        }
-        return self._combine(distances, self._weights_for(qw))
+        weights = self._weights_for(qw)
+        inverse_tau = per_head(1 / self.temperature())
+        total = None
+        for name in self.present:
+            if self.power == 1:
+                scale = -weights[name] * inverse_tau
+            else:
+                scale = safe_sqrt(weights[name] * inverse_tau)
+            term = _component_distance_matrix(name, q_parts[name], k_parts[name], scale)
+            if self.power == 2:
+                term = term.square().neg()
+            total = term if total is None else total + term
+        return total
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         q_parts, k_parts = self.split(qw.unsqueeze(-2)), self.split(kw)
-        distances = {
-            name: _component_distance(name, q_parts[name], k_parts[name]) for name in self.present
-        }
-        return self._combine(distances, self._weights_for(qw))
+        weights = self._weights_for(qw)
+        total = 0
+        for name in self.present:
+            value = _component_distance(name, q_parts[name], k_parts[name])
+            total = total + weights[name] * (value.square() if self.power == 2 else value)
+        return total * per_head(-1 / self.temperature())
 
     def _weights_for(self, qw: torch.Tensor) -> dict[str, torch.Tensor]:
         """Weights broadcasting against `(..., nq, nk)` or `(..., nq, C)` distances."""

@@ -22,12 +22,19 @@ def dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return 2 * torch.atan2(safe_norm(a - b), safe_norm(a + b))
 
 
-def distance_matrix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Great-circle distances `(..., n, m)` between unit vectors `a (..., n, d)`, `b (..., m, d)`
-    from one Gram matrix `c`: `2 arcsin(||a - b|| / 2)` with `||a - b||^2 = 2 - 2c`, the same value
-    as `2 atan2(||a - b||, ||a + b||)` with finite gradients, and vectorised on CPU."""
-    half_chord = safe_sqrt(0.5 - 0.5 * (a @ b.transpose(-1, -2)))
-    return 2 * torch.asin(half_chord.clamp_max(1.0))
+def distance_matrix(
+    a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`scale *` great-circle distances `(..., n, m)` between unit vectors `a (..., n, d)` and
+    `b (..., m, d)`: `2 arcsin(h)` with the squared half chord `h^2 = (1 - <a, b>) / 2` taken
+    from one product of augmented vectors `(-a/2, 1/2) . (b, 1)`. The same value as
+    `2 atan2(||a - b||, ||a + b||)`, with finite gradients and only vectorised kernels."""
+    half = torch.full_like(a[..., :1], 0.5)
+    squared_half_chord = torch.cat([-0.5 * a, half], dim=-1) @ torch.cat(
+        [b, torch.ones_like(b[..., :1])], dim=-1
+    ).transpose(-1, -2)
+    factor = 2.0 if scale is None else 2.0 * scale
+    return torch.asin(safe_sqrt(squared_half_chord).clamp_max(1.0)) * factor
 
 
 class Sphere(DistanceGeometry):
@@ -36,8 +43,10 @@ class Sphere(DistanceGeometry):
     def witness(self, x: torch.Tensor) -> torch.Tensor:
         return normalize(x)
 
-    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return distance_matrix(qw, kw)
+    def distance_matrix(
+        self, qw: torch.Tensor, kw: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return distance_matrix(qw, kw, scale)
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw)

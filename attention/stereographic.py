@@ -19,8 +19,8 @@ from torch import nn
 
 from .geometry import DistanceGeometry, Lift, Role, TemperatureKind, check_role, per_head
 from .numerics import (
+    acosh1p,
     artanh_eps,
-    asinh_of_sqrt,
     boundary_eps,
     gram_squared_distance,
     safe_norm,
@@ -153,26 +153,32 @@ def dist(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return 2 * arsin_k(chord, k)
 
 
-def distance_matrix(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Distances `(..., n, m)` between `x (..., n, d)` and `y (..., m, d)` from one matrix
-    product: the squared conformal chord `|x - y|^2 / ((1 + k|x|^2)(1 + k|y|^2))` is a weighted
-    squared distance. `k` broadcasts against the `(..., n, m)` result (per head: `(H, 1, 1)`).
+def distance_matrix(
+    x: torch.Tensor, y: torch.Tensor, k: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`scale *` distances `(..., n, m)` between `x (..., n, d)` and `y (..., m, d)` from one
+    matrix product: the squared conformal chord `|x - y|^2 / ((1 + k|x|^2)(1 + k|y|^2))` is a
+    weighted squared distance. `k` and `scale` broadcast against the `(..., n, m)` result (per
+    head: `(H, 1, 1)`).
 
-    For a curvature of one strict sign that needs no gradient, `|k|` is folded into the product
-    and the closed form is applied directly (the dense-attention hot path).
+    For a curvature of one strict sign that needs no gradient, the closed form runs directly on
+    `v = 2|k| chord^2`: `arccosh(1 + v)/sqrt(-k)` (SPEC 1.4's form) for k < 0,
+    `2 arcsin(sqrt(v/2))/sqrt(k)` for k > 0 (the dense-attention hot path).
     """
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
     row_k = _as_column(k)
     x_weight = _conformal_factor(x, row_k).square()
     y_weight = _conformal_factor(y, row_k).square()
+    factor = 1.0 if scale is None else scale
     if not (k.requires_grad and torch.is_grad_enabled()):
         if bool((k < 0).all()):
-            scaled = gram_squared_distance(x, y, x_weight, y_weight * -row_k)
-            return asinh_of_sqrt(scaled) * (2 / (-k).sqrt())
+            v = gram_squared_distance(x, y, x_weight, y_weight * (-2 * row_k))
+            return acosh1p(v) * (factor / (-k).sqrt())
         if bool((k > 0).all()):
-            scaled = gram_squared_distance(x, y, x_weight, y_weight * row_k)
-            return torch.asin(safe_sqrt(scaled).clamp_max(1.0)) * (2 / k.sqrt())
-    return 2 * arsin_k(safe_sqrt(gram_squared_distance(x, y, x_weight, y_weight)), k)
+            half_v = gram_squared_distance(x, y, x_weight, y_weight * row_k)
+            return torch.asin(safe_sqrt(half_v).clamp_max(1.0)) * (2 * factor / k.sqrt())
+    chord = safe_sqrt(gram_squared_distance(x, y, x_weight, y_weight))
+    return arsin_k(chord, k) * (2 * factor)
 
 
 def _as_column(k: torch.Tensor) -> torch.Tensor:
@@ -249,8 +255,10 @@ class KappaStereographic(DistanceGeometry):
         k = self._k(x)
         return project(expmap0(x, k), k)
 
-    def distance_matrix(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return distance_matrix(qw, kw, self._k(qw))
+    def distance_matrix(
+        self, qw: torch.Tensor, kw: torch.Tensor, scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return distance_matrix(qw, kw, self._k(qw), scale)
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw, self._k(xw))

@@ -106,6 +106,25 @@ def test_merge_handles_parts_that_saw_no_key():
         merge_attention()
 
 
+@pytest.mark.parametrize("shape", [(300, 16), (3, 300, 16)])
+def test_fused_dot_product_path_takes_any_leading_shape(shape):
+    q, k, v = (torch.randn(*shape) for _ in range(3))
+    out, lse = dense_attention(q, k, v, DotProduct(16))
+    tiled_out, tiled_lse = dense_attention(q, k, v, DotProduct(16), mask=torch.zeros(1, 1))
+    torch.testing.assert_close(out, tiled_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, tiled_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_one_dimensional_key_mask():
+    g = build_geometry("sphere", 8)
+    q, k, v = inputs(batch=(2,))
+    keep = torch.arange(37) % 3 > 0
+    out, lse = dense_attention(q, k, v, g, mask=keep, q_chunk=8, k_chunk=8)
+    expected_out, expected_lse = naive(q, k[:, keep], v[:, keep], g)
+    torch.testing.assert_close(out, expected_out, **F64)
+    torch.testing.assert_close(lse, expected_lse, **F64)
+
+
 def test_dot_product_fast_path_equals_sdpa_and_the_tiled_kernel():
     q, k, v = (torch.randn(2, 4, 300, 16) for _ in range(3))
     g = DotProduct(16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from rewa.attention import GEOMETRIES, make_geometry
 from rewa.attention.allocator import retain_freed_memory
-from rewa.attention.numerics import asinh_of_sqrt, inverse_softplus
+from rewa.attention.numerics import acosh1p, inverse_softplus
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -22,13 +22,15 @@ def test_registry_errors_name_what_is_accepted():
         make_geometry("euclidean", 8, power=3)
 
 
-def test_asinh_of_sqrt_is_accurate_and_differentiable_at_zero():
-    w = torch.cat([torch.zeros(1), torch.logspace(-12, 6, 200)]).double()
-    torch.testing.assert_close(asinh_of_sqrt(w), torch.asinh(w.sqrt()), rtol=1e-9, atol=1e-15)
-    w32 = w.float()
-    torch.testing.assert_close(asinh_of_sqrt(w32), torch.asinh(w32.sqrt()), rtol=1e-6, atol=2e-7)
+def test_acosh1p_is_accurate_and_differentiable_at_zero():
+    """Against 2 asinh(sqrt(v/2)), which equals arccosh(1 + v) without rounding 1 + v."""
+    v = torch.logspace(-12, 6, 200, dtype=torch.float64)
+    exact = 2 * torch.asinh((v / 2).sqrt())
+    torch.testing.assert_close(acosh1p(v), exact, rtol=1e-12, atol=0)
+    torch.testing.assert_close(acosh1p(v.float()).double(), exact, rtol=1e-6, atol=0)
+    assert acosh1p(torch.zeros(1, dtype=torch.float64)).item() < 1e-140
     leaf = torch.zeros(3, requires_grad=True)
-    asinh_of_sqrt(leaf).sum().backward()
+    acosh1p(leaf).sum().backward()
     assert torch.isfinite(leaf.grad).all()
 
 
