@@ -10,6 +10,7 @@ from .modules import GeometricAttention
 from .poincare import PoincareBall
 from .product import AdaptiveProductGeometry, ProductGeometry
 from .registry import GEOMETRIES, make_geometry
+from .sparse import sparse_attention
 from .sphere import Sphere
 from .stereographic import KappaStereographic
 
@@ -31,4 +32,5 @@ __all__ = [
     "dense_attention",
     "make_geometry",
     "merge_attention",
+    "sparse_attention",
 ]

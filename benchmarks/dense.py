@@ -25,9 +25,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rewa.attention import Geometry, dense_attention, make_geometry
-
 from benchmarks.measure import measure
+from rewa.attention import Geometry, dense_attention, make_geometry
 
 GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "product"]
 DEFAULT_SIZES = [4096, 16384, 65536, 131072]

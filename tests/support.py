@@ -1,6 +1,7 @@
 """Shared test support: the tolerance table and geometry builders."""
 
 import torch
+
 from rewa.attention import make_geometry
 
 # One tolerance table for every comparison against an independent implementation (geoopt or the

@@ -4,10 +4,10 @@ import math
 
 import pytest
 import torch
-from rewa.attention import DotProduct, dense_attention, merge_attention
 from torch.nn import functional as F
 
 from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from rewa.attention import DotProduct, dense_attention, merge_attention
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
 

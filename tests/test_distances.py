@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from torch.nn import functional as F
+
 from rewa.attention import (
     DotProduct,
     Euclidean,
@@ -13,8 +15,6 @@ from rewa.attention import (
     ProductGeometry,
     Sphere,
 )
-from torch.nn import functional as F
-
 from tests import reference
 from tests.support import TOLERANCES
 

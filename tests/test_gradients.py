@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from rewa.attention import KappaStereographic, dense_attention, stereographic
 
+from rewa.attention import KappaStereographic, dense_attention, stereographic
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
 

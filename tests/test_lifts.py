@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+
 from rewa.attention import KappaStereographic, Lift, ProductGeometry, euclidean, sphere
 from rewa.attention import stereographic as st
-
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 

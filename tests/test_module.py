@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from rewa.attention import GeometricAttention, KappaStereographic, dense_attention, make_geometry
 from torch.nn import functional as F
 
+from rewa.attention import GeometricAttention, KappaStereographic, dense_attention, make_geometry
 from tests.support import GEOMETRY_NAMES
 
 

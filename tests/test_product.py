@@ -5,8 +5,9 @@ import math
 
 import pytest
 import torch
-from rewa.attention import AdaptiveProductGeometry, ProductGeometry, dense_attention
 from torch.nn import functional as F
+
+from rewa.attention import AdaptiveProductGeometry, ProductGeometry, dense_attention
 
 
 def test_effective_weights_start_at_the_spec_values():

@@ -6,9 +6,9 @@ import math
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rewa.attention import dense_attention, merge_attention
 from rewa.attention import stereographic as ks
-
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
 

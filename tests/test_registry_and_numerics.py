@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+
 from rewa.attention import GEOMETRIES, make_geometry
 from rewa.attention.allocator import retain_freed_memory
 from rewa.attention.numerics import acosh1p, inverse_softplus

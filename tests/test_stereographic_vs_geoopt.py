@@ -3,8 +3,8 @@
 import geoopt.manifolds.stereographic.math as geo
 import pytest
 import torch
-from rewa.attention import stereographic
 
+from rewa.attention import stereographic
 from tests.support import TOLERANCES
 
 KAPPAS = [-2.0, -1.0, -0.1, -1e-4, 0.0, 1e-4, 0.1, 1.0, 2.0]

@@ -1,0 +1,133 @@
+"""Sparse attention over given candidates, O(N K d) (SPEC 6): exact logits on each query's
+candidate keys, the top K of them, softmax, `(out, lse)`.
+
+Candidates are key indices `(..., nq, C)` in a padded fixed-width layout, `-1` marking padding.
+Duplicates within a row are ignored after their first occurrence. Work is chunked over queries so
+that at most about `budget` gathered elements are alive at once; with gradients enabled each chunk
+is checkpointed and recomputed in the backward pass, so memory stays bounded there too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .geometry import Geometry
+from .numerics import compute_dtype
+
+DEFAULT_BUDGET = 1 << 24
+"""Gathered elements (queries x candidates x dim) per chunk: 64 MiB in float32."""
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    candidates: torch.Tensor,
+    top_k: int,
+    *,
+    budget: int = DEFAULT_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over the `top_k` best of its candidate keys.
+
+    Args:
+        q: queries `(..., nq, d)`; k: keys `(..., nk, d)`; v: values `(..., nk, dv)`; the batch
+            dimensions of q, k, v and candidates must be equal (heads are batch dimensions).
+        geometry: any `Geometry` with `dim == d`.
+        candidates: int64 key indices `(..., nq, C)`, `-1` for padding.
+        top_k: K, the number of best-scoring candidates attended per query.
+        budget: gathered elements per chunk of queries.
+
+    Returns:
+        `out (..., nq, dv)`, `lse (..., nq)`: the log-partition over the K attended keys. A query
+        without any valid candidate gets `(0, -inf)`.
+    """
+    _check_inputs(q, k, v, geometry, candidates, top_k)
+    dtype = compute_dtype(q.dtype)
+    qw = geometry.witness(q.to(dtype))
+    kw = geometry.witness(k.to(dtype))
+    flat_keys = kw.reshape(-1, *kw.shape[-2:])
+    flat_values = v.to(dtype).reshape(-1, *v.shape[-2:])
+    rows = _unique_per_row(candidates)
+    n_queries, width = rows.shape[-2], max(rows.shape[-1], 1)
+    per_query = width * max(kw.shape[-1], v.shape[-1]) * flat_keys.shape[0]
+    chunk = max(1, budget // per_query)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qw, kw, flat_values))
+    outs, lses = [], []
+    for start in range(0, n_queries, chunk):
+        part = slice(start, min(start + chunk, n_queries))
+        args = (qw[..., part, :], flat_keys, flat_values, rows[..., part, :], geometry, top_k)
+        if needs_grad:
+            out, lse = checkpoint(_attend_chunk, *args, use_reentrant=False)
+        else:
+            out, lse = _attend_chunk(*args)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+
+
+def _check_inputs(q, k, v, geometry, candidates, top_k) -> None:
+    if q.shape[-1] != geometry.dim or k.shape[-1] != geometry.dim:
+        raise ValueError(
+            f"expected q and k with last dimension {geometry.dim} (the geometry's dim), "
+            f"got {q.shape[-1]} and {k.shape[-1]}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"expected as many values as keys, got {v.shape[-2]} and {k.shape[-2]}")
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] == candidates.shape[:-2]):
+        raise ValueError(
+            "expected equal batch dimensions for q, k, v and candidates, got "
+            f"{tuple(q.shape[:-2])}, {tuple(k.shape[:-2])}, {tuple(v.shape[:-2])} and "
+            f"{tuple(candidates.shape[:-2])}"
+        )
+    if candidates.shape[-2] != q.shape[-2]:
+        raise ValueError(
+            f"expected one candidate row per query ({q.shape[-2]}), got {candidates.shape[-2]}"
+        )
+    if candidates.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"expected integer candidate indices, got {candidates.dtype}")
+    if candidates.numel() and (candidates.max() >= k.shape[-2] or candidates.min() < -1):
+        raise ValueError(
+            f"candidate indices must lie in [-1, {k.shape[-2] - 1}], got "
+            f"[{candidates.min().item()}, {candidates.max().item()}]"
+        )
+    if top_k < 1:
+        raise ValueError(f"expected top_k >= 1, got {top_k}")
+
+
+def _unique_per_row(candidates: torch.Tensor) -> torch.Tensor:
+    """Replace repeated indices within a row by -1 (padding)."""
+    candidates = candidates.long()
+    ordered, order = candidates.sort(dim=-1)
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)
+    repeated[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    ordered = ordered.masked_fill(repeated, -1)
+    return torch.empty_like(candidates).scatter_(-1, order, ordered)
+
+
+def _attend_chunk(
+    qw: torch.Tensor,
+    flat_keys: torch.Tensor,
+    flat_values: torch.Tensor,
+    rows: torch.Tensor,
+    geometry: Geometry,
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qw `(*batch, c, w)`, rows `(*batch, c, C)`; keys `(B, nk, w)` and values `(B, nk, dv)`
+    with the batch flattened to B for gathering."""
+    batch_shape = rows.shape[:-2]
+    flat_rows = rows.reshape(-1, *rows.shape[-2:])
+    valid = flat_rows >= 0
+    index = flat_rows.clamp_min(0)
+    batch = torch.arange(index.shape[0], device=index.device).view(-1, 1, 1)
+    gathered = flat_keys[batch, index].reshape(*batch_shape, *index.shape[-2:], -1)
+    logits = geometry.score_at(qw, gathered).reshape(index.shape)
+    logits = logits.masked_fill(~valid, float("-inf"))
+    best, position = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+    lse = torch.logsumexp(best, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(best - finite.unsqueeze(-1))
+    chosen = index.gather(-1, position)
+    out = (weights.unsqueeze(-1) * flat_values[batch, chosen]).sum(-2)
+    return out.reshape(*batch_shape, *out.shape[-2:]), lse.reshape(*batch_shape, -1)

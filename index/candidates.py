@@ -1,0 +1,95 @@
+"""Candidate sets (SPEC 6): the union of index candidates, a local window and sink positions,
+causally filtered and de-duplicated, in a padded fixed-width layout for vectorised attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CandidateSet:
+    """Key indices `(..., nq, C)` per query, `-1` marking padding; valid entries first, unique,
+    in ascending order."""
+
+    indices: torch.Tensor
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """True where an entry is a real candidate."""
+        return self.indices >= 0
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Number of candidates per query `(..., nq)`."""
+        return self.mask.sum(-1)
+
+
+def query_positions(
+    n_queries: int, n_keys: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """Positions of queries in the key sequence, aligned bottom-right as in `dense_attention`:
+    query i sits at key position `i + n_keys - n_queries` (self-attention: position i)."""
+    return torch.arange(n_queries, device=device) + (n_keys - n_queries)
+
+
+def window_candidates(positions: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    """`(nq, W)` key positions around each query: the W positions ending at the query when
+    causal, else W positions centred on it (out-of-range positions are filtered later)."""
+    offsets = torch.arange(window, device=positions.device)
+    offsets = offsets - (window - 1) if causal else offsets - window // 2
+    return positions.unsqueeze(-1) + offsets
+
+
+def build_candidates(
+    sources: list[torch.Tensor],
+    n_keys: int,
+    *,
+    positions: torch.Tensor | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    causal: bool = False,
+) -> CandidateSet:
+    """Union candidate sources into one padded, de-duplicated `CandidateSet`.
+
+    Args:
+        sources: index candidates, each `(..., nq, c_i)` int64 with `-1` for none.
+        n_keys: number of stored keys; indices outside `[0, n_keys)` are dropped.
+        positions: query positions `(nq,)` in the key sequence (default: bottom-right aligned,
+            see `query_positions`); needed for the window and for causal filtering.
+        window: W, keys around each query that are always candidates.
+        sinks: S, the first S keys, always candidates.
+        causal: drop candidates after the query's position.
+    """
+    if not sources and window == 0 and sinks == 0:
+        raise ValueError("build_candidates needs at least one source, a window or sinks")
+    reference = sources[0] if sources else None
+    n_queries = reference.shape[-2] if reference is not None else positions.shape[-1]
+    if positions is None:
+        device = reference.device if reference is not None else None
+        positions = query_positions(n_queries, n_keys, device)
+    batch = reference.shape[:-2] if reference is not None else ()
+    parts = [s.long() for s in sources]
+    if window > 0:
+        parts.append(window_candidates(positions, window, causal).expand(*batch, n_queries, window))
+    if sinks > 0:
+        sink = torch.arange(min(sinks, n_keys), device=positions.device)
+        parts.append(sink.expand(*batch, n_queries, sink.shape[0]))
+    merged = torch.cat(parts, dim=-1)
+    invalid = (merged < 0) | (merged >= n_keys)
+    if causal:
+        invalid |= merged > positions.unsqueeze(-1)
+    return _compact(merged.masked_fill(invalid, -1))
+
+
+def _compact(indices: torch.Tensor) -> CandidateSet:
+    """Sort each row, drop repeats and padding to the end, trim to the widest row."""
+    big = torch.iinfo(indices.dtype).max
+    ordered = indices.masked_fill(indices < 0, big).sort(dim=-1).values
+    repeated = torch.zeros_like(ordered, dtype=torch.bool)
+    repeated[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    ordered = ordered.masked_fill(repeated, big).sort(dim=-1).values
+    width = int((ordered != big).sum(-1).max().item()) if ordered.numel() else 0
+    ordered = ordered[..., :width]
+    return CandidateSet(ordered.masked_fill(ordered == big, -1))

@@ -1,0 +1,110 @@
+"""`retrieval_attention`: build or reuse an index over the keys, gather each query's candidates
+(index neighbours, a local window, sink positions; causally filtered), attend exactly over the
+top K of them (SPEC 6, DESIGN "Data flow")."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from rewa.attention import Geometry, sparse_attention
+
+from .candidates import CandidateSet, build_candidates, query_positions
+from .faiss_index import GeometryIndex, IndexSettings
+from .lsh import CompositeLSH
+
+KeyIndex = GeometryIndex | CompositeLSH
+
+
+def build_index(
+    k: torch.Tensor,
+    geometry: Geometry,
+    method: Literal["ivf", "flat", "hnsw", "lsh"] = "ivf",
+    **options,
+) -> KeyIndex:
+    """Index the witnesses of keys `(n, d)`: FAISS on the geometry's lifts (`"ivf"`, `"flat"`,
+    `"hnsw"`; options are `IndexSettings` fields) or composite LSH (`"lsh"`; options are
+    `CompositeLSH` arguments)."""
+    with torch.no_grad():
+        kw = geometry.witness(k)
+    if method == "lsh":
+        index: KeyIndex = CompositeLSH(geometry, **options)
+    elif method in ("ivf", "flat", "hnsw"):
+        index = GeometryIndex(geometry, IndexSettings(kind=method, **options))
+    else:
+        raise ValueError(f"expected method 'ivf', 'flat', 'hnsw' or 'lsh', got {method!r}")
+    index.add(kw)
+    return index
+
+
+def retrieval_candidates(
+    q: torch.Tensor,
+    index: KeyIndex,
+    n_keys: int,
+    *,
+    per_query: int = 64,
+    window: int = 0,
+    sinks: int = 0,
+    causal: bool = False,
+    positions: torch.Tensor | None = None,
+) -> CandidateSet:
+    """Candidates of queries `(nq, d)` from `index`, unioned with window and sinks."""
+    with torch.no_grad():
+        qw = index.geometry.witness(q)
+        found = (
+            index.candidates(qw)
+            if isinstance(index, CompositeLSH)
+            else index.candidates(qw, per_query)
+        )
+    if positions is None:
+        positions = query_positions(q.shape[0], n_keys)
+    return build_candidates(
+        [found], n_keys, positions=positions, window=window, sinks=sinks, causal=causal
+    )
+
+
+def retrieval_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    *,
+    top_k: int = 64,
+    index: KeyIndex | Literal["ivf", "flat", "hnsw", "lsh"] = "ivf",
+    per_query: int | None = None,
+    window: int = 0,
+    sinks: int = 0,
+    causal: bool = False,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of queries `(nq, d)` over keys `(nk, d)` and values `(nk, dv)`.
+
+    Self-attention over a sequence: pass the same sequence's q, k, v (`nq == nk`, query i at
+    position i), usually with `causal=True` and a window. External memory: queries separate from
+    the stored keys (positions default to after the keys). `index` is a method name (an index is
+    built) or an index already built over these keys with `build_index` (reused).
+    `per_query` is how many neighbours a FAISS index returns per query (default `top_k`).
+
+    Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
+    """
+    if q.dim() != 2 or k.dim() != 2:
+        raise ValueError(
+            f"retrieval_attention takes one head: q (nq, d) and k (nk, d), got {tuple(q.shape)} "
+            f"and {tuple(k.shape)}"
+        )
+    if isinstance(index, str):
+        index = build_index(k, geometry, index)
+    elif index.ntotal != k.shape[0]:
+        raise ValueError(f"the index holds {index.ntotal} keys but {k.shape[0]} were given")
+    candidates = retrieval_candidates(
+        q,
+        index,
+        k.shape[0],
+        per_query=per_query or top_k,
+        window=window,
+        sinks=sinks,
+        causal=causal,
+        positions=positions,
+    )
+    return sparse_attention(q, k, v, geometry, candidates.indices, top_k)

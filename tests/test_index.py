@@ -1,0 +1,217 @@
+"""rewa.index: candidate sets, composite LSH, FAISS on exact lifts, retrieval attention and the
+quality measures (SPEC 6)."""
+
+import pytest
+import torch
+
+from benchmarks.data import clustered, tree
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import (
+    CompositeLSH,
+    GeometryIndex,
+    IndexSettings,
+    LiftIndex,
+    build_candidates,
+    build_index,
+    exact_topk,
+    faiss_device,
+    mass_recall,
+    output_error,
+    retrieval_attention,
+    retrieval_candidates,
+    topk_recall,
+)
+from rewa.index import faiss_index as faiss_module
+from tests.support import build_geometry
+
+N = 8192
+K = 64
+
+
+@pytest.fixture(scope="module")
+def clustered_data():
+    data = clustered(N)
+    geometry = data.geometry()
+    return data, geometry, exact_topk(data.q[:2048], data.k, geometry, K)
+
+
+def test_candidates_are_causal_and_always_hold_window_and_sinks():
+    n_keys, n_queries = 50, 20
+    sources = torch.randint(-1, n_keys, (n_queries, 12))
+    candidates = build_candidates([sources], n_keys, window=4, sinks=3, causal=True)
+    positions = torch.arange(n_queries) + (n_keys - n_queries)
+    rows = candidates.indices
+    assert (rows <= positions.unsqueeze(-1)).all(), "a candidate after its query"
+    for i, position in enumerate(positions.tolist()):
+        row = set(rows[i][rows[i] >= 0].tolist())
+        assert {position - 3, position - 2, position - 1, position} <= row
+        assert {0, 1, 2} <= row
+        assert len(row) == int(candidates.counts[i]), "duplicates left in a row"
+        expected = {j for j in sources[i].tolist() if 0 <= j <= position} | {0, 1, 2}
+        expected |= set(range(position - 3, position + 1))
+        assert row == expected
+
+
+def test_candidates_layout_is_compact_and_sorted():
+    sources = [torch.tensor([[4, -1, 4, 2]]), torch.tensor([[9, 2, 30, -1]])]
+    candidates = build_candidates(sources, n_keys=10)
+    assert candidates.indices.tolist() == [[2, 4, 9]]
+    assert build_candidates([torch.tensor([[5, 1]])], 10, window=3).indices.tolist() == [
+        [1, 5, 8, 9]
+    ]
+
+
+def test_lsh_recall_at_default_settings(clustered_data):
+    data, geometry, exact = clustered_data
+    lsh = CompositeLSH(geometry)
+    with torch.no_grad():
+        lsh.add(geometry.witness(data.k))
+        found = build_candidates([lsh.candidates(geometry.witness(data.q[:2048]))], N)
+    recall = topk_recall(found.indices, exact).mean().item()
+    print(
+        f"\nLSH top-{K} recall on clustered N={N}: {recall:.3f}, "
+        f"{found.counts.float().mean():.0f} candidates per query"
+    )
+    assert recall >= 0.95
+
+
+def test_ivf_recall_at_default_settings(clustered_data):
+    data, geometry, exact = clustered_data
+    index = build_index(data.k, geometry, "ivf")
+    found = retrieval_candidates(data.q[:2048], index, N, per_query=K)
+    recall = topk_recall(found.indices, exact).mean().item()
+    print(f"\nIVF top-{K} recall on clustered N={N}: {recall:.3f}")
+    assert recall >= 0.95
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("euclidean", {}),
+        ("sphere", {}),
+        ("poincare", {}),
+        ("kappa", {"kappa": -0.5}),
+        ("kappa", {"kappa": 0.0}),
+        ("kappa", {"kappa": 0.7}),
+        ("product", {}),
+        ("dot", {}),
+    ],
+)
+def test_lsh_candidates_beat_chance_for_every_geometry(name, options):
+    """Composite LSH at its defaults finds clearly more of the exact top 16 on `tree` than random
+    candidates of equal count would. (Grid hashing in 64 dimensions is the weakest: the 16th
+    neighbour is about as far as the data's spread along a projection.)"""
+    data = tree(2048)
+    g = make_geometry(name, 64, **options)
+    with torch.no_grad():
+        kw, qw = g.witness(data.k), g.witness(data.q[:256])
+    lsh = CompositeLSH(g)
+    lsh.add(kw)
+    found = build_candidates([lsh.candidates(qw)], 2048)
+    exact = exact_topk(data.q[:256], data.k, g, 16)
+    recall = topk_recall(found.indices, exact).mean().item()
+    chance = found.counts.float().mean().item() / 2048
+    print(f"\nLSH {name} {options}: top-16 recall {recall:.3f} reading {chance:.3f} of the keys")
+    assert recall > 1.5 * chance and recall > 0.3, (recall, chance)
+
+
+@pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
+def test_serialised_index_gives_identical_results(kind):
+    data = clustered(2048)
+    g = data.geometry()
+    with torch.no_grad():
+        kw, qw = g.witness(data.k), g.witness(data.q[:300])
+    index = GeometryIndex(g, IndexSettings(kind=kind))
+    index.add(kw)
+    restored = GeometryIndex(g, IndexSettings(kind=kind))
+    restored.load_parts(kw, index.serialize())
+    for expected, got in zip(index.search(qw, 20), restored.search(qw, 20), strict=True):
+        assert torch.equal(expected, got)
+    raw = LiftIndex("ip", IndexSettings(kind=kind))
+    raw.add(kw)
+    again = LiftIndex.load(raw.serialize(), "ip", IndexSettings(kind=kind))
+    assert all(
+        torch.equal(a, b) for a, b in zip(raw.search(qw, 5), again.search(qw, 5), strict=True)
+    )
+
+
+def test_product_index_searches_every_component_and_takes_the_union():
+    g = build_geometry("product", 16).float()
+    k, q = torch.randn(500, 16), torch.randn(40, 16)
+    with torch.no_grad():
+        kw, qw = g.witness(k), g.witness(q)
+    index = GeometryIndex(g, IndexSettings(kind="flat"))
+    index.add(kw)
+    assert len(index.parts) == 3
+    rows = index.candidates(qw, 10)
+    assert rows.shape == (40, 30)
+    for part, lift in zip(index.parts, g.lift(qw, "query"), strict=True):
+        _, ids = part.search(lift.vectors, 10)
+        assert (rows.unsqueeze(-1) == ids.unsqueeze(-2)).any(-2).all()
+
+
+def test_gpu_dispatch(monkeypatch):
+    assert faiss_device() == "cpu"
+    assert faiss_device("cpu") == "cpu"
+    with pytest.raises(RuntimeError, match="GPU build"):
+        faiss_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert faiss_device() == "cpu", "CUDA alone is not enough without a GPU build of FAISS"
+    monkeypatch.setattr(faiss_module.faiss, "StandardGpuResources", object, raising=False)
+    monkeypatch.setattr(faiss_module.faiss, "get_num_gpus", lambda: 1)
+    assert faiss_device() == "cuda"
+    assert faiss_device("cpu") == "cpu"
+    monkeypatch.setattr(faiss_module.faiss, "get_num_gpus", lambda: 0)
+    assert faiss_device() == "cpu"
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
+def test_retrieval_self_attention_with_every_key_equals_dense_causal(name):
+    g = build_geometry(name, 8)
+    x = torch.randn(200, 8, dtype=torch.float64) * 0.3  # inside the ball: dense is exact there
+    v = torch.randn(200, 4, dtype=torch.float64)
+    index = build_index(x, g, "flat")
+    out, lse = retrieval_attention(
+        x, x, v, g, top_k=200, index=index, per_query=200, causal=True, window=8
+    )
+    expected_out, expected_lse = dense_attention(x, x, v, g, causal=True)
+    # Dense tiles expand distances through a Gram matrix: on each query's own key (distance 0)
+    # that leaves about sqrt(eps) = 1e-8 in float64; the issue asks for 1e-5.
+    torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
+
+
+def test_retrieval_external_memory_on_clustered():
+    data = clustered(4096)
+    g = data.geometry()
+    queries = data.q[:500]
+    out, lse = retrieval_attention(queries, data.k, data.v, g, top_k=K, index="ivf")
+    dense_out, dense_lse = dense_attention(queries, data.k, data.v, g)
+    error = output_error(out, dense_out)
+    candidates = retrieval_candidates(queries, build_index(data.k, g, "ivf"), 4096, per_query=K)
+    mass = mass_recall(queries, data.k, g, candidates.indices, dense_lse)
+    assert mass.median() > 0.95 and error.median() < 0.1
+    assert (lse <= dense_lse + 1e-4).all(), "a top-K partition function exceeds the dense one"
+
+
+def test_measures_on_exact_answers():
+    g = build_geometry("sphere", 8).float()
+    q, k = torch.randn(30, 8), torch.randn(100, 8)
+    v = torch.randn(100, 3)
+    exact = exact_topk(q, k, g, 10)
+    assert torch.equal(topk_recall(exact, exact), torch.ones(30))
+    everything = torch.arange(100).expand(30, 100)
+    out, lse = dense_attention(q, k, v, g)
+    torch.testing.assert_close(mass_recall(q, k, g, everything, lse), torch.ones(30))
+    assert output_error(out, out).max() == 0
+
+
+def test_retrieval_rejects_a_mismatched_index():
+    g = build_geometry("dot", 8).float()
+    index = build_index(torch.randn(50, 8), g, "flat")
+    with pytest.raises(ValueError, match="holds 50 keys"):
+        retrieval_attention(
+            torch.randn(3, 8), torch.randn(60, 8), torch.randn(60, 2), g, index=index
+        )
+    with pytest.raises(ValueError, match="one head"):
+        retrieval_attention(torch.randn(2, 3, 8), torch.randn(2, 60, 8), torch.randn(2, 60, 2), g)
