@@ -20,7 +20,7 @@ class DotProduct(Geometry):
         return (qw @ kw.transpose(-1, -2)) * self.scale
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        return (qw.unsqueeze(-2) * kw).sum(-1) * self.scale
+        return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self.scale
 
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         check_role(role)

@@ -1,0 +1,229 @@
+"""Sparse O(N K d) attention against dense attention and existing sparse / LSH attention.
+
+One process, the same data for every method, one head, d = 64, K = 64, no gradient, on the
+`clustered` (dot product) and `tree` (Poincare) data sets of benchmarks/data.py:
+
+- `rewa-ivf`, `rewa-lsh`: `retrieval_attention` self-attention with a FAISS IVF index or composite
+  LSH at their default settings, end to end (index build, candidates, exact top-K attention).
+- `sdpa`: torch's scaled_dot_product_attention (dense, dot product).
+- `faiss-knn`: attention as Unlimiformer does it: exact flat inner-product search of the top K
+  keys, softmax over them.
+- `reformer-lsh-{1,4,8}`: reformer-pytorch's LSHAttention (bucket size 64, 1/4/8 hash rounds).
+
+Accuracy is measured on 2048 fixed queries against the exact dense attention of the same
+attention function: the data set's geometry for rewa; dot-product attention for sdpa and
+faiss-knn; reformer's own shared-QK function (queries attend to normalised copies of the
+sequence, attention to self masked) for reformer. `dense_entropy` is the median entropy (nats)
+of the data set's exact dense attention rows. Recall fields are null where a method exposes no
+candidate set (reformer).
+
+    .venv/bin/python benchmarks/sparse.py                  # N in 8192, 32768, 131072
+    .venv/bin/python benchmarks/sparse.py --sizes 8192 --out /tmp/sparse
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import faiss
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.data import DATASETS, AttentionData
+from benchmarks.measure import measure
+from rewa.attention import DotProduct, Geometry, dense_attention, sparse_attention
+from rewa.index import (
+    build_index,
+    dense_entropy,
+    exact_topk,
+    mass_recall,
+    output_error,
+    retrieval_candidates,
+    topk_recall,
+)
+
+DEFAULT_SIZES = [8192, 32768, 131072]
+K = 64
+SAMPLE = 2048
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rewa_method(kind: str) -> Callable[[AttentionData, Geometry], tuple]:
+    def run(data: AttentionData, geometry: Geometry):
+        index = build_index(data.k, geometry, kind)
+        candidates = retrieval_candidates(data.q, index, data.k.shape[0], per_query=K)
+        out, _ = sparse_attention(data.q, data.k, data.v, geometry, candidates.indices, K)
+        return out, candidates.indices
+
+    return run
+
+
+def sdpa(data: AttentionData, geometry: Geometry):
+    out = F.scaled_dot_product_attention(data.q[None, None], data.k[None, None], data.v[None, None])
+    return out[0, 0], None
+
+
+def faiss_knn(data: AttentionData, geometry: Geometry):
+    """Unlimiformer's retrieval: exact inner-product kNN from a flat index, softmax over top K."""
+    index = faiss.IndexFlatIP(data.k.shape[1])
+    index.add(np.ascontiguousarray(data.k.numpy()))
+    scores, ids = index.search(np.ascontiguousarray(data.q.numpy()), K)
+    weights = torch.softmax(torch.from_numpy(scores) / math.sqrt(data.k.shape[1]), dim=-1)
+    ids = torch.from_numpy(ids)
+    out = (weights.unsqueeze(-2) @ data.v[ids]).squeeze(-2)
+    return out, ids
+
+
+def reformer_method(rounds: int):
+    from reformer_pytorch.reformer_pytorch import LSHAttention
+
+    def run(data: AttentionData, geometry: Geometry):
+        torch.manual_seed(0)
+        attention = LSHAttention(bucket_size=64, n_hashes=rounds, causal=False)
+        out, _, _ = attention(data.q[None], data.v[None])
+        return out[0], None
+
+    return run
+
+
+def reformer_reference(data: AttentionData, rows: torch.Tensor) -> torch.Tensor:
+    """Exact dense attention of reformer's shared-QK function for the sampled queries."""
+    keys = F.normalize(data.q, dim=-1)
+    logits = data.q[rows] @ keys.T / math.sqrt(data.q.shape[1])
+    logits[torch.arange(len(rows)), rows] = -5e4  # reformer's TOKEN_SELF_ATTN_VALUE
+    return torch.softmax(logits, dim=-1) @ data.v
+
+
+METHODS: dict[str, Callable] = {
+    "rewa-ivf": rewa_method("ivf"),
+    "rewa-lsh": rewa_method("lsh"),
+    "sdpa": sdpa,
+    "faiss-knn": faiss_knn,
+    "reformer-lsh-1": reformer_method(1),
+    "reformer-lsh-4": reformer_method(4),
+    "reformer-lsh-8": reformer_method(8),
+}
+
+
+def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
+    records = []
+    rows = torch.arange(SAMPLE)
+    for dataset in datasets:
+        for n in sizes:
+            data = DATASETS[dataset](n)
+            geometry = data.geometry()
+            dot = DotProduct(data.q.shape[1])
+            sample_q = data.q[rows]
+            references = {}
+            with torch.no_grad():
+                for name, g in (("geometry", geometry), ("dot", dot)):
+                    out, lse = dense_attention(sample_q, data.k, data.v, g)
+                    references[name] = (out, lse, exact_topk(sample_q, data.k, g, K), g)
+                entropy = dense_entropy(sample_q, data.k, geometry).median().item()
+            for method in methods:
+                with torch.no_grad():
+                    (out, candidates), seconds, peak = measure(
+                        partial(METHODS[method], data, geometry)
+                    )
+                record = {
+                    "method": method,
+                    "dataset": dataset,
+                    "n": n,
+                    "d": data.q.shape[1],
+                    "k": K,
+                    "seconds": round(seconds, 4),
+                    "peak_rss_bytes": peak,
+                    "dense_entropy": round(entropy, 4),
+                }
+                record.update(quality(method, data, out, candidates, rows, references))
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    return records
+
+
+def quality(method, data, out, candidates, rows, references) -> dict:
+    if method.startswith("reformer"):
+        error = output_error(out[rows], reformer_reference(data, rows))
+        return {"topk_recall": None, "mass_recall": None, **errors(error)}
+    ref_out, ref_lse, exact, g = references["geometry" if method.startswith("rewa") else "dot"]
+    if candidates is None:  # dense attention reads every key
+        return {"topk_recall": 1.0, "mass_recall": 1.0, **errors(output_error(out[rows], ref_out))}
+    sample = candidates[rows]
+    return {
+        "topk_recall": round(topk_recall(sample, exact).mean().item(), 4),
+        "mass_recall": round(
+            mass_recall(data.q[rows], data.k, g, sample, ref_lse).median().item(), 4
+        ),
+        **errors(output_error(out[rows], ref_out)),
+    }
+
+
+def errors(error: torch.Tensor) -> dict:
+    return {
+        "err_median": round(error.median().item(), 5),
+        "err_p99": round(error.double().quantile(0.99).item(), 5),
+    }
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in records})
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 9), squeeze=False)
+    largest = max(r["n"] for r in records)
+    for column, dataset in enumerate(datasets):
+        rows = [r for r in records if r["dataset"] == dataset]
+        for method in sorted({r["method"] for r in rows}):
+            series = sorted((r for r in rows if r["method"] == method), key=lambda r: r["n"])
+            axes[0][column].loglog(
+                [r["n"] for r in series], [r["seconds"] for r in series], marker="o", label=method
+            )
+            last = next(r for r in series if r["n"] == largest)
+            axes[1][column].scatter(last["seconds"], 1 - last["err_median"], label=method)
+        axes[0][column].set(
+            xlabel="tokens N",
+            ylabel="seconds (end to end)",
+            title=f"{dataset}: time, K = {K}, d = 64",
+        )
+        axes[1][column].set(
+            xscale="log",
+            xlabel="seconds",
+            ylabel="1 - median output error",
+            title=f"{dataset}: accuracy against time at N = {largest}",
+        )
+        for ax in axes[:, column]:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = run(args.sizes, args.datasets, args.methods)
+    (args.out / "sparse.json").write_text(json.dumps(records, indent=1) + "\n")
+    plot(records, args.out / "sparse.png")
+    print(f"wrote {args.out / 'sparse.json'} and {args.out / 'sparse.png'}")
+    print("reproduce: .venv/bin/python benchmarks/sparse.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
