@@ -3,8 +3,11 @@
 One process, the same data for every method, one head, d = 64, K = 64, no gradient, on the
 `clustered` (dot product) and `tree` (Poincare) data sets of benchmarks/data.py:
 
-- `rewa-ivf`, `rewa-lsh`: `retrieval_attention` self-attention with a FAISS IVF index or composite
-  LSH at their default settings, end to end (index build, candidates, exact top-K attention).
+- `rewa-ivf`: `retrieval_attention` with a FAISS IVF index at its defaults (nprobe 8), exact
+  top K over the probed lists, end to end (index build included).
+- `rewa-ivf-cells`: the same index, attending to every key of the probed lists (`top_k=None`);
+  `rewa-ivf-cells-nprobe4` visits 4 lists.
+- `rewa-lsh`: composite LSH at its defaults, exact top K over the candidates.
 - `sdpa`: torch's scaled_dot_product_attention (dense, dot product).
 - `faiss-knn`: attention as Unlimiformer does it: exact flat inner-product search of the top K
   keys, softmax over them.
@@ -40,16 +43,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.data import DATASETS, AttentionData
 from benchmarks.measure import measure
-from rewa.attention import DotProduct, Geometry, dense_attention, sparse_attention
+from rewa.attention import DotProduct, Geometry, dense_attention
 from rewa.index import (
     build_index,
     dense_entropy,
     exact_topk,
     mass_recall,
     output_error,
+    retrieval_attention,
     retrieval_candidates,
     topk_recall,
 )
+from rewa.index.ivf_blocks import probed_keys, supports_ivf_blocks
 
 DEFAULT_SIZES = [8192, 32768, 131072]
 K = 64
@@ -57,14 +62,26 @@ SAMPLE = 2048
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def rewa_method(kind: str) -> Callable[[AttentionData, Geometry], tuple]:
+def rewa_method(kind: str, top_k: int | None = K, **options) -> Callable:
+    """`retrieval_attention` end to end (index build included); returns the index as well so
+    that the candidate sets of the measured queries can be read afterwards, untimed."""
+
     def run(data: AttentionData, geometry: Geometry):
-        index = build_index(data.k, geometry, kind)
-        candidates = retrieval_candidates(data.q, index, data.k.shape[0], per_query=K)
-        out, _ = sparse_attention(data.q, data.k, data.v, geometry, candidates.indices, K)
-        return out, candidates.indices
+        index = build_index(data.k, geometry, kind, **options)
+        out, _ = retrieval_attention(data.q, data.k, data.v, geometry, top_k=top_k, index=index)
+        return out, index
 
     return run
+
+
+def candidate_rows(index, geometry: Geometry, q: torch.Tensor) -> torch.Tensor:
+    """The candidate set each query was attended over: every key of its probed IVF lists, or
+    the LSH candidates."""
+    with torch.no_grad():
+        qw = geometry.witness(q)
+        if supports_ivf_blocks(index):
+            return probed_keys(index, qw)
+        return retrieval_candidates(q, index, index.ntotal, per_query=K).indices
 
 
 def sdpa(data: AttentionData, geometry: Geometry):
@@ -105,6 +122,8 @@ def reformer_reference(data: AttentionData, rows: torch.Tensor) -> torch.Tensor:
 
 METHODS: dict[str, Callable] = {
     "rewa-ivf": rewa_method("ivf"),
+    "rewa-ivf-cells": rewa_method("ivf", top_k=None),
+    "rewa-ivf-cells-nprobe4": rewa_method("ivf", top_k=None, nprobe=4),
     "rewa-lsh": rewa_method("lsh"),
     "sdpa": sdpa,
     "faiss-knn": faiss_knn,
@@ -116,9 +135,9 @@ METHODS: dict[str, Callable] = {
 
 def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
     records = []
-    rows = torch.arange(SAMPLE)
     for dataset in datasets:
         for n in sizes:
+            rows = torch.arange(min(SAMPLE, n))
             data = DATASETS[dataset](n)
             geometry = data.geometry()
             dot = DotProduct(data.q.shape[1])
@@ -157,7 +176,10 @@ def quality(method, data, out, candidates, rows, references) -> dict:
     ref_out, ref_lse, exact, g = references["geometry" if method.startswith("rewa") else "dot"]
     if candidates is None:  # dense attention reads every key
         return {"topk_recall": 1.0, "mass_recall": 1.0, **errors(output_error(out[rows], ref_out))}
-    sample = candidates[rows]
+    if isinstance(candidates, torch.Tensor):
+        sample = candidates[rows]
+    else:
+        sample = candidate_rows(candidates, g, data.q[rows])
     return {
         "topk_recall": round(topk_recall(sample, exact).mean().item(), 4),
         "mass_recall": round(

@@ -39,12 +39,15 @@ class IndexSettings:
 
     kind: `"flat"` (exact), `"ivf"` (inverted lists over k-means cells) or `"hnsw"` (graph).
     nlist: IVF cells (default: about N / 256, at least 1). nprobe: cells visited per query.
+    train_points_per_list: k-means training sample per cell (FAISS's default is 256; 64 trains
+        4x faster with the same recall on the benchmark data).
     hnsw_m, ef_search: HNSW graph degree and search breadth.
     """
 
     kind: IndexKind = "ivf"
     nlist: int | None = None
     nprobe: int = 8
+    train_points_per_list: int = 64
     hnsw_m: int = 32
     ef_search: int = 128
 
@@ -61,6 +64,7 @@ class LiftIndex:
         self.settings = settings or IndexSettings()
         self.device = faiss_device(device)
         self.index: faiss.Index | None = None
+        self._lists: list[torch.Tensor] | None = None
 
     @property
     def ntotal(self) -> int:
@@ -82,6 +86,7 @@ class LiftIndex:
             quantizer = faiss.IndexFlat(dim, self._faiss_metric())
             index = faiss.IndexIVFFlat(quantizer, dim, nlist, self._faiss_metric())
             index.nprobe = min(s.nprobe, nlist)
+            index.cp.max_points_per_centroid = s.train_points_per_list
             return index
         raise ValueError(f"expected index kind 'flat', 'ivf' or 'hnsw', got {s.kind!r}")
 
@@ -95,6 +100,28 @@ class LiftIndex:
             index.train(x)
         index.add(x)
         self.index = index
+        self._lists = None
+
+    def lists(self) -> list[torch.Tensor]:
+        """The ids in each IVF list (computed once from the coarse quantizer's assignment)."""
+        if self.settings.kind != "ivf" or self.index is None:
+            raise RuntimeError("LiftIndex.lists needs a built IVF index")
+        if self._lists is None:
+            ivf = faiss.extract_index_ivf(self.index)
+            invlists = ivf.invlists
+            self._lists = [
+                torch.from_numpy(
+                    faiss.rev_swig_ptr(invlists.get_ids(c), invlists.list_size(c)).copy()
+                ).long()
+                for c in range(ivf.nlist)
+            ]
+        return self._lists
+
+    def probe(self, queries: torch.Tensor) -> torch.Tensor:
+        """The `nprobe` IVF lists each query visits, `(nq, nprobe)`."""
+        ivf = faiss.extract_index_ivf(self.index)
+        _, cells = ivf.quantizer.search(_as_faiss(queries), ivf.nprobe)
+        return torch.from_numpy(cells).long()
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(D, I)` of shape `(nq, k)`: L2 distances ascending or inner products descending;

@@ -12,6 +12,7 @@ from rewa.attention import Geometry, sparse_attention
 
 from .candidates import CandidateSet, build_candidates, query_positions
 from .faiss_index import GeometryIndex, IndexSettings
+from .ivf_blocks import attend_scored, ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
 
 KeyIndex = GeometryIndex | CompositeLSH
@@ -70,13 +71,14 @@ def retrieval_attention(
     v: torch.Tensor,
     geometry: Geometry,
     *,
-    top_k: int = 64,
+    top_k: int | None = 64,
     index: KeyIndex | Literal["ivf", "flat", "hnsw", "lsh"] = "ivf",
     per_query: int | None = None,
     window: int = 0,
     sinks: int = 0,
     causal: bool = False,
     positions: torch.Tensor | None = None,
+    query_block: int = 8192,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of queries `(nq, d)` over keys `(nk, d)` and values `(nk, dv)`.
 
@@ -85,6 +87,13 @@ def retrieval_attention(
     the stored keys (positions default to after the keys). `index` is a method name (an index is
     built) or an index already built over these keys with `build_index` (reused).
     `per_query` is how many neighbours a FAISS index returns per query (default `top_k`).
+    Queries are processed in blocks of `query_block`, which bounds the memory of their candidate
+    sets.
+
+    With an IVF index over a single-lift geometry (and no window or sinks) each IVF list is
+    scored against all the queries probing it in one dense block (`ivf_blocks`); `top_k=None`
+    then attends to every key of the probed lists instead of the best K of them. With other
+    indexes `top_k=None` attends to every candidate.
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
     """
@@ -97,14 +106,36 @@ def retrieval_attention(
         index = build_index(k, geometry, index)
     elif index.ntotal != k.shape[0]:
         raise ValueError(f"the index holds {index.ntotal} keys but {k.shape[0]} were given")
-    candidates = retrieval_candidates(
-        q,
-        index,
-        k.shape[0],
-        per_query=per_query or top_k,
-        window=window,
-        sinks=sinks,
-        causal=causal,
-        positions=positions,
-    )
-    return sparse_attention(q, k, v, geometry, candidates.indices, top_k)
+    if positions is None:
+        positions = query_positions(q.shape[0], k.shape[0], q.device)
+    causal_positions = positions if causal else None
+    use_blocks = supports_ivf_blocks(index) and window == 0 and sinks == 0
+    outs, lses = [], []
+    for start in range(0, q.shape[0], query_block):
+        block = slice(start, start + query_block)
+        if use_blocks:
+            qw = geometry.witness(q[block])
+            kept = None if causal_positions is None else causal_positions[block]
+            if top_k is None:
+                out, lse = ivf_block_attention(index, qw, v, positions=kept)
+            else:
+                logits, ids = ivf_block_topk(index, qw, top_k, positions=kept)
+                out, lse = attend_scored(logits, ids, v)
+        else:
+            candidates = retrieval_candidates(
+                q[block],
+                index,
+                k.shape[0],
+                per_query=per_query or top_k or 64,
+                window=window,
+                sinks=sinks,
+                causal=causal,
+                positions=positions[block],
+            )
+            width = candidates.indices.shape[-1]
+            out, lse = sparse_attention(
+                q[block], k, v, geometry, candidates.indices, top_k or max(width, 1)
+            )
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

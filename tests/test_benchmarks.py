@@ -38,3 +38,51 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
     }
     assert {r["n"] for r in records} == {256, 512}
     assert (tmp_path / "dense.png").stat().st_size > 10_000
+
+
+def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "sparse.py"),
+            "--sizes",
+            "1024",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    records = json.loads((tmp_path / "sparse.json").read_text())
+    keys = {
+        "method",
+        "dataset",
+        "n",
+        "d",
+        "k",
+        "seconds",
+        "peak_rss_bytes",
+        "topk_recall",
+        "mass_recall",
+        "err_median",
+        "err_p99",
+        "dense_entropy",
+    }
+    assert all(set(r) == keys for r in records)
+    assert {(r["method"], r["dataset"]) for r in records} == {
+        (m, d)
+        for m in (
+            "rewa-ivf",
+            "rewa-lsh",
+            "sdpa",
+            "faiss-knn",
+            "reformer-lsh-1",
+            "reformer-lsh-4",
+            "reformer-lsh-8",
+        )
+        for d in ("clustered", "tree")
+    }
+    sdpa = [r for r in records if r["method"] == "sdpa"]
+    assert all(r["err_median"] == 0 and r["mass_recall"] == 1 for r in sdpa)
+    assert (tmp_path / "sparse.png").stat().st_size > 10_000

@@ -215,3 +215,47 @@ def test_retrieval_rejects_a_mismatched_index():
         )
     with pytest.raises(ValueError, match="one head"):
         retrieval_attention(torch.randn(2, 3, 8), torch.randn(2, 60, 8), torch.randn(2, 60, 2), g)
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare", "sphere", "kappa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ivf_blocks_over_every_list_are_exact(name, causal):
+    """Probing every IVF list, block attention equals dense attention and block top-K equals the
+    exact top K, with exact logits (float64 witnesses; FAISS only routes)."""
+    g = build_geometry(name, 8)
+    x = torch.randn(300, 8, dtype=torch.float64) * 0.5
+    v = torch.randn(300, 3, dtype=torch.float64)
+    index = build_index(x, g, "ivf", nlist=5, nprobe=5)
+    out, lse = retrieval_attention(x, x, v, g, top_k=None, index=index, causal=causal)
+    allowed = torch.ones(300, 300, dtype=torch.bool).tril() if causal else None
+    expected_out, expected_lse = dense_attention(x, x, v, g, mask=allowed)
+    torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
+
+    out, lse = retrieval_attention(x, x, v, g, top_k=12, index=index, causal=causal)
+    logits = g.logits(x, x)
+    if causal:
+        logits = logits.masked_fill(~allowed, float("-inf"))
+    best = logits.topk(12, dim=-1).indices
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, best, True)
+    expected_out, expected_lse = dense_attention(x, x, v, g, mask=keep & (logits > -1e300))
+    torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
+
+
+def test_ivf_block_attention_reads_only_probed_lists():
+    from rewa.index.ivf_blocks import ivf_block_attention, probed_keys
+
+    data = clustered(4096)
+    g = data.geometry()
+    index = build_index(data.k, g, "ivf", nprobe=2)
+    with torch.no_grad():
+        qw = g.witness(data.q[:64])
+        out, lse = ivf_block_attention(index, qw, data.v)
+        rows = probed_keys(index, qw)
+    allowed = torch.zeros(64, 4096, dtype=torch.bool)
+    allowed[torch.arange(64).unsqueeze(-1).expand_as(rows)[rows >= 0], rows[rows >= 0]] = True
+    expected_out, expected_lse = dense_attention(data.q[:64], data.k, data.v, g, mask=allowed)
+    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-4, atol=1e-4)
+    assert (rows >= 0).sum(-1).float().mean() < 4096 / 4  # 2 of 16 lists, unequal in size
