@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import re
 import time
 from collections.abc import Callable
@@ -12,7 +14,12 @@ T = TypeVar("T")
 
 
 def reset_peak_rss() -> None:
-    """Reset the kernel's peak resident set size of this process (Linux >= 4.0)."""
+    """Return freed heap memory to the system (glibc `malloc_trim`), then reset the kernel's
+    peak resident set size of this process (Linux >= 4.0), so that the next peak belongs to the
+    next measurement and not to memory an earlier one freed."""
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        ctypes.CDLL(libc).malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
 
 

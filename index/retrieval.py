@@ -87,8 +87,8 @@ def retrieval_attention(
     the stored keys (positions default to after the keys). `index` is a method name (an index is
     built) or an index already built over these keys with `build_index` (reused).
     `per_query` is how many neighbours a FAISS index returns per query (default `top_k`).
-    Queries are processed in blocks of `query_block`, which bounds the memory of their candidate
-    sets.
+    Candidate sets are built for blocks of `query_block` queries at a time, which bounds their
+    memory.
 
     With an IVF index over a single-lift geometry (and no window or sinks) each IVF list is
     scored against all the queries probing it in one dense block (`ivf_blocks`); `top_k=None`
@@ -108,34 +108,29 @@ def retrieval_attention(
         raise ValueError(f"the index holds {index.ntotal} keys but {k.shape[0]} were given")
     if positions is None:
         positions = query_positions(q.shape[0], k.shape[0], q.device)
-    causal_positions = positions if causal else None
-    use_blocks = supports_ivf_blocks(index) and window == 0 and sinks == 0
+    if supports_ivf_blocks(index) and window == 0 and sinks == 0:
+        # Memory is bounded per IVF list here, so every query goes through in one pass.
+        qw = geometry.witness(q)
+        kept = positions if causal else None
+        if top_k is None:
+            return ivf_block_attention(index, qw, v, positions=kept)
+        logits, ids = ivf_block_topk(index, qw, top_k, positions=kept)
+        return attend_scored(logits, ids, v)
     outs, lses = [], []
     for start in range(0, q.shape[0], query_block):
         block = slice(start, start + query_block)
-        if use_blocks:
-            qw = geometry.witness(q[block])
-            kept = None if causal_positions is None else causal_positions[block]
-            if top_k is None:
-                out, lse = ivf_block_attention(index, qw, v, positions=kept)
-            else:
-                logits, ids = ivf_block_topk(index, qw, top_k, positions=kept)
-                out, lse = attend_scored(logits, ids, v)
-        else:
-            candidates = retrieval_candidates(
-                q[block],
-                index,
-                k.shape[0],
-                per_query=per_query or top_k or 64,
-                window=window,
-                sinks=sinks,
-                causal=causal,
-                positions=positions[block],
-            )
-            width = candidates.indices.shape[-1]
-            out, lse = sparse_attention(
-                q[block], k, v, geometry, candidates.indices, top_k or max(width, 1)
-            )
+        candidates = retrieval_candidates(
+            q[block],
+            index,
+            k.shape[0],
+            per_query=per_query or top_k or 64,
+            window=window,
+            sinks=sinks,
+            causal=causal,
+            positions=positions[block],
+        )
+        width = max(candidates.indices.shape[-1], 1)
+        out, lse = sparse_attention(q[block], k, v, geometry, candidates.indices, top_k or width)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

@@ -19,3 +19,13 @@ def test_library_example_runs_and_prints_what_it_claims():
     assert lines[0] == "torch.Size([2, 8, 1024, 64]) torch.Size([2, 8, 1024])"
     assert lines[1] == "True"
     assert len(json.loads(lines[2])) == 4  # one kappa_eff per head
+
+
+def test_sparse_example_runs():
+    text = README.read_text()
+    example = re.search(r"### Sparse and retrieval attention\n\n```python\n(.*?)```", text, re.S)
+    code = example.group(1) + "\nprint(tuple(out.shape), tuple(lse.shape))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip().splitlines()[-1] == "(100, 64) (100,)"
