@@ -79,6 +79,7 @@ def retrieval_attention(
     causal: bool = False,
     positions: torch.Tensor | None = None,
     query_block: int = 8192,
+    tail: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of queries `(nq, d)` over keys `(nk, d)` and values `(nk, dv)`.
 
@@ -92,8 +93,9 @@ def retrieval_attention(
 
     With an IVF index over a single-lift geometry (and no window or sinks) each IVF list is
     scored against all the queries probing it in one dense block (`ivf_blocks`); `top_k=None`
-    then attends to every key of the probed lists instead of the best K of them. With other
-    indexes `top_k=None` attends to every candidate.
+    then attends to every key of the probed lists instead of the best K of them, and `tail=True`
+    adds an estimate of the lists not probed (dot-product geometry; `ivf_tail_estimate`). With
+    other indexes `top_k=None` attends to every candidate.
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
     """
@@ -108,12 +110,18 @@ def retrieval_attention(
         raise ValueError(f"the index holds {index.ntotal} keys but {k.shape[0]} were given")
     if positions is None:
         positions = query_positions(q.shape[0], k.shape[0], q.device)
-    if supports_ivf_blocks(index) and window == 0 and sinks == 0:
+    use_blocks = supports_ivf_blocks(index) and window == 0 and sinks == 0
+    if tail and not (use_blocks and top_k is None):
+        raise ValueError(
+            "tail=True needs an IVF index over a single-lift geometry, top_k=None, and no "
+            "window or sinks"
+        )
+    if use_blocks:
         # Memory is bounded per IVF list here, so every query goes through in one pass.
         qw = geometry.witness(q)
         kept = positions if causal else None
         if top_k is None:
-            return ivf_block_attention(index, qw, v, positions=kept)
+            return ivf_block_attention(index, qw, v, positions=kept, tail=tail)
         logits, ids = ivf_block_topk(index, qw, top_k, positions=kept)
         return attend_scored(logits, ids, v)
     outs, lses = [], []
