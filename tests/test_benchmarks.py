@@ -74,6 +74,8 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
         (m, d)
         for m in (
             "rewa-ivf",
+            "rewa-ivf-cells",
+            "rewa-ivf-cells-nprobe4",
             "rewa-lsh",
             "sdpa",
             "faiss-knn",
