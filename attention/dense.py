@@ -12,7 +12,7 @@ import torch
 
 from .allocator import retain_freed_memory
 from .dot import DotProduct
-from .geometry import Geometry
+from .geometry import Geometry, check_attention_inputs
 from .numerics import compute_dtype
 
 DEFAULT_Q_CHUNK = 512
@@ -74,18 +74,7 @@ def _check_inputs(
     q_chunk: int,
     k_chunk: int,
 ) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() < 2:
-            raise ValueError(f"expected {name} of shape (..., N, d), got {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"expected a floating-point {name}, got {t.dtype}")
-    if q.shape[-1] != geometry.dim or k.shape[-1] != geometry.dim:
-        raise ValueError(
-            f"expected q and k with last dimension {geometry.dim} (the geometry's dim), "
-            f"got {q.shape[-1]} and {k.shape[-1]}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"expected as many values as keys, got {v.shape[-2]} and {k.shape[-2]}")
+    check_attention_inputs(q, k, v, geometry)
     try:
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         if mask is not None:

@@ -40,6 +40,25 @@ def per_head(param: torch.Tensor) -> torch.Tensor:
     return param.reshape(()) if param.numel() == 1 else param.reshape(-1, 1, 1)
 
 
+def check_attention_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, geometry: Geometry
+) -> None:
+    """Shapes and dtypes every attention function expects: floating `q (..., Nq, d)`,
+    `k (..., Nk, d)`, `v (..., Nk, dv)` with `d` the geometry's dim."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() < 2:
+            raise ValueError(f"expected {name} of shape (..., N, d), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"expected a floating-point {name}, got {t.dtype}")
+    if q.shape[-1] != geometry.dim or k.shape[-1] != geometry.dim:
+        raise ValueError(
+            f"expected q and k with last dimension {geometry.dim} (the geometry's dim), "
+            f"got {q.shape[-1]} and {k.shape[-1]}"
+        )
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"expected as many values as keys, got {v.shape[-2]} and {k.shape[-2]}")
+
+
 def check_role(role: str) -> None:
     if role not in ("query", "key"):
         raise ValueError(f"expected role 'query' or 'key', got {role!r}")

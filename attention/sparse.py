@@ -13,7 +13,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .allocator import retain_freed_memory
-from .geometry import Geometry
+from .geometry import Geometry, check_attention_inputs
 from .numerics import compute_dtype
 
 DEFAULT_BUDGET = 1 << 22
@@ -72,13 +72,7 @@ def sparse_attention(
 
 
 def _check_inputs(q, k, v, geometry, candidates, top_k) -> None:
-    if q.shape[-1] != geometry.dim or k.shape[-1] != geometry.dim:
-        raise ValueError(
-            f"expected q and k with last dimension {geometry.dim} (the geometry's dim), "
-            f"got {q.shape[-1]} and {k.shape[-1]}"
-        )
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"expected as many values as keys, got {v.shape[-2]} and {k.shape[-2]}")
+    check_attention_inputs(q, k, v, geometry)
     if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] == candidates.shape[:-2]):
         raise ValueError(
             "expected equal batch dimensions for q, k, v and candidates, got "
