@@ -48,19 +48,23 @@ def ivf_block_attention(
     queries_w: torch.Tensor,
     values: torch.Tensor,
     *,
+    keys_w: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     tail: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out (nq, dv), lse (nq,))` of each query over every key of the IVF lists it probes;
     with `positions`, keys after a query's position are excluded (causal). With `tail`, the
-    lists it does not probe are estimated (`ivf_tail_estimate`) and merged in exactly."""
+    lists it does not probe are estimated (`ivf_tail_estimate`) and merged in exactly.
+    `keys_w` are the key witnesses to score (default: the indexed ones, which carry no
+    gradient); pass witnesses computed under autograd for gradients to the keys."""
     if tail and positions is not None:
         raise ValueError("the IVF tail estimate does not support causal attention")
     geometry: Geometry = index.geometry
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
     n_queries, nprobe = probes.shape
     order = torch.cat(lists)
-    list_keys, list_values = index.keys[order], values[order]  # contiguous per list
+    keys_w = index.keys if keys_w is None else keys_w
+    list_keys, list_values = keys_w[order], values[order]  # contiguous per list
     list_bounds = [0, *torch.tensor([len(ids) for ids in lists]).cumsum(0).tolist()]
     outs = values.new_zeros(n_queries * nprobe, values.shape[-1])
     lses = queries_w.new_full((n_queries * nprobe,), float("-inf"))
@@ -97,12 +101,14 @@ def ivf_block_topk(
     queries_w: torch.Tensor,
     top_k: int,
     *,
+    keys_w: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact logits and key ids `(nq, top_k)` of each query's best keys among the IVF lists it
     probes (`-inf` / `-1` where fewer exist). With `positions`, keys after a query's position are
-    excluded (causal)."""
+    excluded (causal); `keys_w` as in `ivf_block_attention`."""
     geometry: Geometry = index.geometry
+    keys_w = index.keys if keys_w is None else keys_w
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
     n_queries, nprobe = probes.shape
     best = queries_w.new_full((n_queries, nprobe, top_k), float("-inf"))
@@ -113,7 +119,7 @@ def ivf_block_topk(
             continue
         pairs = pair_order[start:stop]
         queries, slots = pairs // nprobe, pairs % nprobe
-        logits = geometry.score(queries_w[queries], index.keys[keys])
+        logits = geometry.score(queries_w[queries], keys_w[keys])
         if positions is not None:
             logits = logits.masked_fill(keys > positions[queries].unsqueeze(-1), float("-inf"))
         values, where = logits.topk(min(top_k, keys.numel()), dim=-1, sorted=False)

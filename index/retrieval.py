@@ -1,6 +1,7 @@
 """`retrieval_attention`: build or reuse an index over the keys, gather each query's candidates
 (index neighbours, a local window, sink positions; causally filtered), attend exactly over the
-top K of them (SPEC 6, DESIGN "Data flow")."""
+top K of them (SPEC 6, DESIGN "Data flow"); with IVF, score whole lists in dense blocks
+(`ivf_blocks`)."""
 
 from __future__ import annotations
 
@@ -118,11 +119,11 @@ def retrieval_attention(
         )
     if use_blocks:
         # Memory is bounded per IVF list here, so every query goes through in one pass.
-        qw = geometry.witness(q)
+        qw, kw = geometry.witness(q), geometry.witness(k)
         kept = positions if causal else None
         if top_k is None:
-            return ivf_block_attention(index, qw, v, positions=kept, tail=tail)
-        logits, ids = ivf_block_topk(index, qw, top_k, positions=kept)
+            return ivf_block_attention(index, qw, v, keys_w=kw, positions=kept, tail=tail)
+        logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=kept)
         return attend_scored(logits, ids, v)
     outs, lses = [], []
     for start in range(0, q.shape[0], query_block):

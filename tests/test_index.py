@@ -313,3 +313,22 @@ def test_tail_needs_the_ivf_block_path():
             index=build_index(k, make_geometry("sphere", 8), "ivf"),
             tail=True,
         )
+
+
+@pytest.mark.parametrize("top_k", [None, 10])
+def test_retrieval_gradients_match_dense_when_every_list_is_probed(top_k):
+    g = build_geometry("poincare", 6)
+    q = (torch.randn(40, 6, dtype=torch.float64) * 0.5).requires_grad_()
+    k = (torch.randn(120, 6, dtype=torch.float64) * 0.5).requires_grad_()
+    v = torch.randn(120, 2, dtype=torch.float64, requires_grad=True)
+    index = build_index(k.detach(), g, "ivf", nlist=4, nprobe=4)
+    out, lse = retrieval_attention(q, k, v, g, top_k=top_k, index=index)
+    grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
+    mask = None
+    if top_k is not None:
+        best = g.logits(q, k).topk(top_k, dim=-1).indices
+        mask = torch.zeros(40, 120, dtype=torch.bool).scatter_(-1, best, True)
+    ref_out, ref_lse = dense_attention(q, k, v, g, mask=mask)
+    expected = torch.autograd.grad(ref_out.square().sum() + ref_lse.sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
