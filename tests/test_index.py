@@ -337,12 +337,16 @@ def test_retrieval_gradients_match_dense_when_every_list_is_probed(top_k):
 
 @pytest.mark.parametrize("kind", ["ivf", "hnsw", "flat"])
 def test_inner_product_search_returns_inner_products(kind):
-    """IVF and HNSW index inner-product lifts in L2 on augmented vectors; `search` still returns
-    the inner products of the returned ids, descending."""
+    """IVF and HNSW index inner-product lifts with widely spread norms in L2 on augmented vectors;
+    `search` still returns the inner products of the returned ids, descending."""
     keys, queries = torch.randn(3000, 16) * 2, torch.randn(50, 16)
+    keys[:30] *= 5  # a wide norm spread: IVF and HNSW index this lift in L2
     index = LiftIndex("ip", IndexSettings(kind=kind, nprobe=64))
     index.add(keys)
     assert index.augmented == (kind != "flat")
+    even = LiftIndex("ip", IndexSettings(kind=kind))
+    even.add(torch.randn(3000, 16))
+    assert not even.augmented
     scores, ids = index.search(queries, 10)
     expected = (queries.unsqueeze(1) * keys[ids]).sum(-1)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-3)
