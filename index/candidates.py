@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rewa.attention import Geometry
+
 
 @dataclass(frozen=True)
 class CandidateSet:
@@ -93,3 +95,14 @@ def _compact(indices: torch.Tensor) -> CandidateSet:
     width = int((ordered != big).sum(-1).max().item()) if ordered.numel() else 0
     ordered = ordered[..., :width]
     return CandidateSet(ordered.masked_fill(ordered == big, -1))
+
+
+def best_candidates(
+    geometry: Geometry, queries_w: torch.Tensor, keys_w: torch.Tensor, rows: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Re-score candidate rows `(nq, C)` (-1 padded) exactly and keep each query's k best:
+    `(D, I)` of shape `(nq, k)`, logits descending, `-inf` / `-1` where fewer exist."""
+    logits = geometry.score_at(queries_w, keys_w[rows.clamp_min(0)])
+    logits = logits.masked_fill(rows < 0, float("-inf"))
+    best, position = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    return best, rows.gather(-1, position).masked_fill(torch.isinf(best), -1)

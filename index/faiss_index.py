@@ -26,6 +26,8 @@ import torch
 
 from rewa.attention import Geometry, Lift
 
+from .candidates import best_candidates
+
 IndexKind = Literal["flat", "ivf", "hnsw"]
 
 
@@ -239,12 +241,9 @@ class GeometryIndex:
 
     def search(self, queries_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(D, I)`: the k best candidates by exact logit, descending."""
-        rows = self.candidates(queries_w, k)
-        valid = rows >= 0
-        logits = self.geometry.score_at(queries_w, self.keys[rows.clamp_min(0)])
-        logits = logits.masked_fill(~valid, float("-inf"))
-        best, position = logits.topk(min(k, logits.shape[-1]), dim=-1)
-        return best, rows.gather(-1, position).masked_fill(torch.isinf(best), -1)
+        return best_candidates(
+            self.geometry, queries_w, self.keys, self.candidates(queries_w, k), k
+        )
 
     def serialize(self) -> list[bytes]:
         return [part.serialize() for part in self.parts]

@@ -27,6 +27,8 @@ from rewa.attention import (
     Sphere,
 )
 
+from .candidates import best_candidates
+
 
 class GridHash:
     """E2LSH: `t` quantised Gaussian projections per table, bucket width `r`. With `width=None`
@@ -165,13 +167,7 @@ class CompositeLSH:
     def search(self, queries_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FAISS-shaped search: the `k` candidates with the best exact logits per query,
         `(D, I)` of shape `(nq, k)`, logits descending, `-inf`/`-1` where fewer exist."""
-        rows = self.candidates(queries_w)
-        valid = rows >= 0
-        gathered = self.keys[rows.clamp_min(0)]
-        logits = self.geometry.score_at(queries_w, gathered).masked_fill(~valid, float("-inf"))
-        best, position = logits.topk(min(k, logits.shape[-1]), dim=-1)
-        chosen = rows.gather(-1, position).masked_fill(torch.isinf(best), -1)
-        return best, chosen
+        return best_candidates(self.geometry, queries_w, self.keys, self.candidates(queries_w), k)
 
 
 def _families(geometry, tables, bits, grid_hashes, grid_width, band, generator):
