@@ -122,12 +122,21 @@ def _attend_chunk(
     logits = geometry.score_at(qw, gathered).reshape(index.shape)
     logits = logits.masked_fill(~valid, float("-inf"))
     best, position = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-    lse = torch.logsumexp(best, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(best - finite.unsqueeze(-1))
-    chosen = _gather_rows(flat_values, index.gather(-1, position))
-    out = (weights.unsqueeze(-2) @ chosen).squeeze(-2)
+    out, lse = attend_scored(best, index.gather(-1, position), flat_values)
     return out.reshape(*batch_shape, *out.shape[-2:]), lse.reshape(*batch_shape, -1)
+
+
+def attend_scored(
+    logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over keys already scored: logits and key ids `(B, c, K)` (`-inf` for
+    padding; padded ids may be anything in range), values `(B, nk, dv)` -> `(out (B, c, dv),
+    lse (B, c))`; a row with no finite logit gets `(0, -inf)`."""
+    lse = torch.logsumexp(logits, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(logits - finite.unsqueeze(-1))
+    chosen = _gather_rows(values, ids.clamp_min(0))
+    return (weights.unsqueeze(-2) @ chosen).squeeze(-2), lse
 
 
 def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

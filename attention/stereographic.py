@@ -46,11 +46,11 @@ def _by_curvature(
     (exact in value; the series exists for d/dk near 0 and for k = 0 itself).
     """
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
-    if not (k.requires_grad and torch.is_grad_enabled()):
-        if bool((k < 0).all()):
-            return negative(x, (-k).sqrt())
-        if bool((k > 0).all()):
-            return positive(x, k.sqrt())
+    sign = _fixed_sign(k)
+    if sign < 0:
+        return negative(x, (-k).sqrt())
+    if sign > 0:
+        return positive(x, k.sqrt())
     x, k = torch.broadcast_tensors(x, k)
     small = (k * x.square()).abs() < SERIES_LIMIT
     neg = (k < 0) & ~small
@@ -61,6 +61,16 @@ def _by_curvature(
     value_neg = negative(torch.where(neg, x, zeros), torch.where(neg, -k, ones).sqrt())
     value_pos = positive(torch.where(pos, x, zeros), torch.where(pos, k, ones).sqrt())
     return torch.where(neg, value_neg, torch.where(pos, value_pos, value))
+
+
+def _fixed_sign(k: torch.Tensor) -> int:
+    """-1 or 1 when `k` has that strict sign everywhere and needs no gradient (closed forms are
+    then exact), else 0 (element-wise branches with the series near 0)."""
+    if k.requires_grad and torch.is_grad_enabled():
+        return 0
+    if bool((k < 0).all()):
+        return -1
+    return 1 if bool((k > 0).all()) else 0
 
 
 def _horner(z: torch.Tensor, coefficients: Sequence[float]) -> torch.Tensor:
@@ -170,13 +180,13 @@ def distance_matrix(
     x_weight = _conformal_factor(x, row_k).square()
     y_weight = _conformal_factor(y, row_k).square()
     factor = 1.0 if scale is None else scale
-    if not (k.requires_grad and torch.is_grad_enabled()):
-        if bool((k < 0).all()):
-            v = gram_squared_distance(x, y, x_weight, y_weight * (-2 * row_k))
-            return acosh1p(v) * (factor / (-k).sqrt())
-        if bool((k > 0).all()):
-            half_v = gram_squared_distance(x, y, x_weight, y_weight * row_k)
-            return torch.asin(safe_sqrt(half_v).clamp_max(1.0)) * (2 * factor / k.sqrt())
+    sign = _fixed_sign(k)
+    if sign < 0:
+        v = gram_squared_distance(x, y, x_weight, y_weight * (-2 * row_k))
+        return acosh1p(v) * (factor / (-k).sqrt())
+    if sign > 0:
+        half_v = gram_squared_distance(x, y, x_weight, y_weight * row_k)
+        return torch.asin(safe_sqrt(half_v).clamp_max(1.0)) * (2 * factor / k.sqrt())
     chord = safe_sqrt(gram_squared_distance(x, y, x_weight, y_weight))
     return arsin_k(chord, k) * (2 * factor)
 

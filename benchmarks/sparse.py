@@ -52,6 +52,7 @@ from rewa.index import (
     output_error,
     retrieval_attention,
     retrieval_candidates,
+    summary,
     topk_recall,
 )
 from rewa.index.ivf_blocks import probed_keys, supports_ivf_blocks
@@ -190,10 +191,8 @@ def quality(method, data, out, candidates, rows, references) -> dict:
 
 
 def errors(error: torch.Tensor) -> dict:
-    return {
-        "err_median": round(error.median().item(), 5),
-        "err_p99": round(error.double().quantile(0.99).item(), 5),
-    }
+    stats = summary(error)
+    return {"err_median": round(stats["median"], 5), "err_p99": round(stats["p99"], 5)}
 
 
 def plot(records: list[dict], path: Path) -> None:

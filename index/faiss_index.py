@@ -16,6 +16,7 @@ large-norm centroids take everything: on `tree` (Poincare chord lift, norm sprea
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from typing import Literal
@@ -79,12 +80,16 @@ class LiftIndex:
         self.device = faiss_device(device)
         self.index: faiss.Index | None = None
         self._lists: list[torch.Tensor] | None = None
-        self.radius: float | None = None  # M of the inner-product-to-L2 augmentation
-        self.augmented = False
+        self.radius: float | None = None  # M of the inner-product-to-L2 augmentation, if used
 
     @property
     def ntotal(self) -> int:
         return 0 if self.index is None else self.index.ntotal
+
+    @property
+    def augmented(self) -> bool:
+        """Whether this inner-product lift is indexed in L2 on augmented vectors."""
+        return self.radius is not None
 
     def _should_augment(self, x: torch.Tensor) -> bool:
         """Whether to index this inner-product lift in L2 on augmented vectors."""
@@ -102,8 +107,8 @@ class LiftIndex:
 
     def _keys(self, vectors: torch.Tensor) -> np.ndarray:
         x = vectors.detach().to("cpu", torch.float32)
-        self.augmented = self._should_augment(x)
-        if self.augmented:
+        self.radius = None
+        if self._should_augment(x):
             squared = x.square().sum(-1, keepdim=True)
             self.radius = squared.max().sqrt().item()
             x = torch.cat([x, (self.radius**2 - squared).clamp_min(0).sqrt()], dim=-1)
@@ -182,7 +187,7 @@ class LiftIndex:
         if self.index is None:
             raise RuntimeError("LiftIndex.serialize before add()")
         index = faiss.index_gpu_to_cpu(self.index) if self.device == "cuda" else self.index
-        header = struct.pack("<d", self.radius if self.augmented else 0.0)
+        header = struct.pack("<d", math.nan if self.radius is None else self.radius)
         return header + faiss.serialize_index(index).tobytes()
 
     @classmethod
@@ -195,8 +200,7 @@ class LiftIndex:
     ) -> LiftIndex:
         lift_index = cls(metric, settings, device)
         (radius,) = struct.unpack("<d", data[:8])
-        lift_index.augmented = radius > 0
-        lift_index.radius = radius if lift_index.augmented else None
+        lift_index.radius = None if math.isnan(radius) else radius
         index = faiss.deserialize_index(np.frombuffer(data[8:], dtype=np.uint8))
         if lift_index.device == "cuda":
             index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)

@@ -87,13 +87,16 @@ def ivf_block_attention(
         block_out = weights @ list_values[first:last]
         outs[pairs] = block_out / torch.where(seen, total, 1).unsqueeze(-1)
         lses[pairs] = torch.where(seen, shift.squeeze(-1) + total.log(), float("-inf"))
-    lse = torch.logsumexp(lses.view(n_queries, nprobe), dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    scale = torch.exp(lses.view(n_queries, nprobe) - finite.unsqueeze(-1))
-    out = (scale.unsqueeze(-1) * outs.view(n_queries, nprobe, -1)).sum(1)
+    parts = list(
+        zip(
+            outs.view(n_queries, nprobe, -1).unbind(1),
+            lses.view(n_queries, nprobe).unbind(1),
+            strict=True,
+        )
+    )
     if tail:
-        return merge_attention((out, lse), ivf_tail_estimate(index, queries_w, values, probes))
-    return out, lse
+        parts.append(ivf_tail_estimate(index, queries_w, values, probes, keys_w=keys_w))
+    return merge_attention(*parts)
 
 
 def ivf_block_topk(
@@ -142,26 +145,16 @@ def probed_keys(index: GeometryIndex, queries_w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attend_scored(
-    logits: torch.Tensor, ids: torch.Tensor, values: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over already scored keys: logits and ids `(nq, K)` (-inf / -1 padding),
-    values `(nk, dv)` -> `(out, lse)`."""
-    lse = torch.logsumexp(logits, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(logits - finite.unsqueeze(-1))
-    chosen = values.index_select(0, ids.clamp_min(0).flatten()).view(*ids.shape, -1)
-    return (weights.unsqueeze(-2) @ chosen).squeeze(-2), lse
-
-
 def ivf_tail_estimate(
     index: GeometryIndex,
     queries_w: torch.Tensor,
     values: torch.Tensor,
     probes: torch.Tensor,
+    *,
+    keys_w: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Estimated `(out, lse)` of each query over the keys of the IVF lists it does not probe
-    (SPEC 6, dot-product geometry).
+    (SPEC 6, dot-product geometry); `keys_w` as in `ivf_block_attention`.
 
     For list c with n_c keys, key mean mu_c, per-coordinate key variance sigma_c^2 and value
     mean m_c, and the logit `s q.k` (s the geometry's scale):
@@ -180,7 +173,8 @@ def ivf_tail_estimate(
     counts = torch.tensor([len(ids) for ids in lists], dtype=queries_w.dtype)
     order = torch.cat(lists)
     cell_of = torch.repeat_interleave(torch.arange(len(lists)), counts.long())
-    keys, cell_values = index.keys[order], values[order]
+    keys_w = index.keys if keys_w is None else keys_w
+    keys, cell_values = keys_w[order], values[order]
     safe = counts.clamp_min(1).unsqueeze(-1)
     key_mean = keys.new_zeros(len(lists), keys.shape[-1]).index_add_(0, cell_of, keys) / safe
     key_var = torch.zeros_like(key_mean).index_add_(0, cell_of, keys.square()) / safe

@@ -101,10 +101,10 @@ class CompositeLSH:
         band: radial band width r_H (hyperbolic).
         bucket_limit: at most this many keys are taken from one bucket per table (the first in a
             fixed random order), which bounds the candidate width.
+        seed: seed of the random projections.
 
     Defaults (64 tables, 10 bits, 48 per bucket) give top-64 recall 0.97 on `clustered` at
     N = 8192 with about 730 candidates per query (tests/test_index.py).
-        seed: seed of the random projections.
     """
 
     def __init__(

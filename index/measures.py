@@ -11,18 +11,21 @@ import torch
 from rewa.attention import Geometry
 
 
+def _logit_chunks(q: torch.Tensor, k: torch.Tensor, geometry: Geometry, chunk: int):
+    """Exact dense logits of `chunk` queries at a time against all keys (2-D inputs)."""
+    with torch.no_grad():
+        kw = geometry.witness(k)
+        for s in range(0, q.shape[0], chunk):
+            yield geometry.score(geometry.witness(q[s : s + chunk]), kw)
+
+
 def exact_topk(
     q: torch.Tensor, k: torch.Tensor, geometry: Geometry, top_k: int, chunk: int = 1024
 ) -> torch.Tensor:
     """Indices `(nq, K)` of each query's K best keys by exact logit (2-D inputs, tiled)."""
-    with torch.no_grad():
-        kw = geometry.witness(k)
-        return torch.cat(
-            [
-                geometry.score(geometry.witness(q[s : s + chunk]), kw).topk(top_k, dim=-1).indices
-                for s in range(0, q.shape[0], chunk)
-            ]
-        )
+    return torch.cat(
+        [logits.topk(top_k, dim=-1).indices for logits in _logit_chunks(q, k, geometry, chunk)]
+    )
 
 
 def topk_recall(candidates: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -55,14 +58,11 @@ def output_error(out: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 
 def dense_entropy(q: torch.Tensor, k: torch.Tensor, geometry: Geometry, chunk: int = 1024):
     """Entropy (nats) of each query's exact dense attention row (tiled over queries)."""
-    with torch.no_grad():
-        kw = geometry.witness(k)
-        parts = []
-        for s in range(0, q.shape[0], chunk):
-            logits = geometry.score(geometry.witness(q[s : s + chunk]), kw)
-            weights = torch.softmax(logits, dim=-1)
-            parts.append(-(weights * torch.log(weights.clamp_min(1e-30))).sum(-1))
-        return torch.cat(parts)
+    parts = []
+    for logits in _logit_chunks(q, k, geometry, chunk):
+        weights = torch.softmax(logits, dim=-1)
+        parts.append(-(weights * torch.log(weights.clamp_min(1e-30))).sum(-1))
+    return torch.cat(parts)
 
 
 def summary(values: torch.Tensor) -> dict[str, float]:

@@ -10,10 +10,11 @@ from typing import Literal
 import torch
 
 from rewa.attention import Geometry, sparse_attention
+from rewa.attention.sparse import attend_scored
 
 from .candidates import CandidateSet, build_candidates, query_positions
 from .faiss_index import GeometryIndex, IndexSettings
-from .ivf_blocks import attend_scored, ivf_block_attention, ivf_block_topk, supports_ivf_blocks
+from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
 
 KeyIndex = GeometryIndex | CompositeLSH
@@ -119,12 +120,15 @@ def retrieval_attention(
         )
     if use_blocks:
         # Memory is bounded per IVF list here, so every query goes through in one pass.
-        qw, kw = geometry.witness(q), geometry.witness(k)
+        qw = geometry.witness(q)
+        # The indexed witnesses carry no gradient; fresh ones are needed only for autograd.
+        kw = geometry.witness(k) if torch.is_grad_enabled() else None
         kept = positions if causal else None
         if top_k is None:
             return ivf_block_attention(index, qw, v, keys_w=kw, positions=kept, tail=tail)
         logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=kept)
-        return attend_scored(logits, ids, v)
+        out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
+        return out[0], lse[0]
     outs, lses = [], []
     for start in range(0, q.shape[0], query_block):
         block = slice(start, start + query_block)
