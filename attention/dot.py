@@ -22,6 +22,12 @@ class DotProduct(Geometry):
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self.scale
 
+    def similarity_logits(
+        self, qw: torch.Tensor, similarities: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        (similarity,) = similarities
+        return [similarity * self.scale]
+
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         check_role(role)
         return [Lift(w, "ip")]

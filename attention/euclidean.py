@@ -38,6 +38,9 @@ class Euclidean(DistanceGeometry):
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw)
 
+    def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
+        return safe_sqrt(-similarity)
+
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         check_role(role)
         return [Lift(w, "l2")]

@@ -32,6 +32,19 @@ class Lift(NamedTuple):
     metric: Metric
 
 
+def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:
+    """Dense similarities `(..., nq, nk)` of lifted queries and keys: the inner product
+    (`"ip"`) or the negated squared L2 distance (`"l2"`); larger is better in both."""
+    if query.metric != key.metric:
+        raise ValueError(f"lifts of different metrics: {query.metric!r} and {key.metric!r}")
+    inner = query.vectors @ key.vectors.transpose(-1, -2)
+    if query.metric == "ip":
+        return inner
+    squared_q = query.vectors.square().sum(-1, keepdim=True)
+    squared_k = key.vectors.square().sum(-1).unsqueeze(-2)
+    return 2 * inner - squared_q - squared_k
+
+
 def per_head(param: torch.Tensor) -> torch.Tensor:
     """View a per-head parameter `(H,)` so it broadcasts against `(..., H, a, b)`.
 
@@ -99,6 +112,16 @@ class Geometry(nn.Module):
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         """Exact lifts of witnesses for an L2 or inner-product index. Queries and keys may lift
         differently (`role`). A product geometry returns one lift per component."""
+        raise NotImplementedError
+
+    def similarity_logits(
+        self, qw: torch.Tensor, similarities: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """The logit as a function of the lift similarities (`lift_similarity`): given query
+        witnesses `(..., nq, d_w)` and one similarity tensor `(..., nq, M)` per lift (any M
+        values per query, e.g. one per key), the terms `(..., nq, M)`, one per lift, whose sum
+        is the logit. Every logit depends on a key only through these similarities, which is
+        what lets per-cluster statistics in lift space estimate unread keys (SPEC 6, tail)."""
         raise NotImplementedError
 
     def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -207,6 +230,20 @@ class DistanceGeometry(Geometry):
         if self.power == 2:
             dist = dist.square()
         return dist * per_head(-1 / self.temperature())
+
+    def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
+        """Distances `(..., nq, M)` from the lift similarity `(..., nq, M)` to queries
+        `(..., nq, d_w)` (values outside the similarity's range are clamped into it)."""
+        raise NotImplementedError
+
+    def similarity_logits(
+        self, qw: torch.Tensor, similarities: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        (similarity,) = similarities
+        dist = self.distance_from_similarity(qw, similarity)
+        if self.power == 2:
+            dist = dist.square()
+        return [dist * per_head(-1 / self.temperature())]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, power={self.power}"

@@ -37,6 +37,11 @@ def distance_matrix(
     return torch.asin(safe_sqrt(squared_half_chord).clamp_max(1.0)) * factor
 
 
+def distance_from_cosine(cosine: torch.Tensor) -> torch.Tensor:
+    """`arccos` as `2 arcsin(sqrt((1 - cos) / 2))` (vectorised; cosines beyond 1 count as 1)."""
+    return 2 * torch.asin(safe_sqrt((1 - cosine) / 2).clamp_max(1.0))
+
+
 class Sphere(DistanceGeometry):
     """Logits `-arccos(<q/|q|, k/|k|>)^p / tau`."""
 
@@ -50,6 +55,9 @@ class Sphere(DistanceGeometry):
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw)
+
+    def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
+        return distance_from_cosine(similarity)
 
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         check_role(role)

@@ -169,26 +169,33 @@ def distance_matrix(
     """`scale *` distances `(..., n, m)` between `x (..., n, d)` and `y (..., m, d)` from one
     matrix product: the squared conformal chord `|x - y|^2 / ((1 + k|x|^2)(1 + k|y|^2))` is a
     weighted squared distance. `k` and `scale` broadcast against the `(..., n, m)` result (per
-    head: `(H, 1, 1)`).
+    head: `(H, 1, 1)`)."""
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    row_k = _as_column(k)
+    x_weight = _conformal_factor(x, row_k).square()
+    y_weight = _conformal_factor(y, row_k).square()
+    return distance_from_squared_chord(gram_squared_distance(x, y, x_weight, y_weight), k, scale)
+
+
+def distance_from_squared_chord(
+    squared_chord: torch.Tensor, k: torch.Tensor, scale: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """`scale * 2 arsin_k(chord)` from the squared conformal chord (negative rounding noise
+    counts as 0); `k` broadcasts against it.
 
     For a curvature of one strict sign that needs no gradient, the closed form runs directly on
     `v = 2|k| chord^2`: `arccosh(1 + v)/sqrt(-k)` (SPEC 1.4's form) for k < 0,
     `2 arcsin(sqrt(v/2))/sqrt(k)` for k > 0 (the dense-attention hot path).
     """
-    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
-    row_k = _as_column(k)
-    x_weight = _conformal_factor(x, row_k).square()
-    y_weight = _conformal_factor(y, row_k).square()
+    k = torch.as_tensor(k, dtype=squared_chord.dtype, device=squared_chord.device)
     factor = 1.0 if scale is None else scale
     sign = _fixed_sign(k)
     if sign < 0:
-        v = gram_squared_distance(x, y, x_weight, y_weight * (-2 * row_k))
-        return acosh1p(v) * (factor / (-k).sqrt())
+        return acosh1p(squared_chord * (-2 * k)) * (factor / (-k).sqrt())
     if sign > 0:
-        half_v = gram_squared_distance(x, y, x_weight, y_weight * row_k)
+        half_v = squared_chord * k
         return torch.asin(safe_sqrt(half_v).clamp_max(1.0)) * (2 * factor / k.sqrt())
-    chord = safe_sqrt(gram_squared_distance(x, y, x_weight, y_weight))
-    return arsin_k(chord, k) * (2 * factor)
+    return arsin_k(safe_sqrt(squared_chord), k) * (2 * factor)
 
 
 def _as_column(k: torch.Tensor) -> torch.Tensor:
@@ -217,6 +224,16 @@ def chord_lift(w: torch.Tensor, k: torch.Tensor, role: Role) -> Lift:
     c = 1 + k * squared
     first = -(1 - k * squared) / c if role == "query" else 2 * squared / c
     return Lift(torch.cat([first, 2 * w / c], dim=-1), "ip")
+
+
+def squared_chord_from_similarity(
+    qw: torch.Tensor, similarity: torch.Tensor, k: torch.Tensor
+) -> torch.Tensor:
+    """The squared conformal chord from the `chord_lift` inner product `2|q|^2/c_q - 2 chord^2`
+    with queries `(..., nq, d)` and similarities `(..., nq, M)`; `k` broadcasts against the
+    queries' `(..., nq, 1)` norms."""
+    squared = qw.square().sum(-1, keepdim=True)
+    return (squared / (1 + k * squared) - similarity / 2).clamp_min(0)
 
 
 def _curvature_tensor(kappa: float | Sequence[float] | torch.Tensor, heads: int) -> torch.Tensor:
@@ -272,6 +289,10 @@ class KappaStereographic(DistanceGeometry):
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw, self._k(xw))
+
+    def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
+        k = self._k(qw)
+        return distance_from_squared_chord(squared_chord_from_similarity(qw, similarity, k), k)
 
     def lift(self, w: torch.Tensor, role: Role) -> list[Lift]:
         return [chord_lift(w, self._k(w), role)]

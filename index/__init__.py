@@ -1,7 +1,9 @@
 """rewa.index: candidate indexes over the exact lifts of rewa.attention geometries (composite LSH,
-FAISS flat / IVF / HNSW), candidate sets, retrieval attention and its quality measures."""
+FAISS flat / IVF / HNSW), clustered contexts and cluster-tail attention, candidate sets,
+retrieval attention and its quality measures."""
 
 from .candidates import CandidateSet, build_candidates, query_positions, window_candidates
+from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
 from .lsh import BoundaryProjectionHash, CompositeLSH, GridHash, SimHash
 from .measures import (
@@ -9,10 +11,12 @@ from .measures import (
     exact_topk,
     mass_recall,
     output_error,
+    quality,
     summary,
     topk_recall,
 )
 from .retrieval import build_index, retrieval_attention, retrieval_candidates
+from .tail import estimate_clusters, tail_attention
 
 __all__ = [
     "BoundaryProjectionHash",
@@ -21,19 +25,23 @@ __all__ = [
     "GeometryIndex",
     "GridHash",
     "IndexSettings",
+    "KeyClusters",
     "LiftIndex",
     "SimHash",
     "build_candidates",
     "build_index",
     "dense_entropy",
+    "estimate_clusters",
     "exact_topk",
     "faiss_device",
     "mass_recall",
     "output_error",
+    "quality",
     "query_positions",
     "retrieval_attention",
     "retrieval_candidates",
     "summary",
+    "tail_attention",
     "topk_recall",
     "window_candidates",
 ]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rewa.attention import DotProduct, Geometry, merge_attention
+from rewa.attention import Geometry, merge_attention
 
 from .faiss_index import GeometryIndex
 
@@ -50,15 +50,11 @@ def ivf_block_attention(
     *,
     keys_w: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
-    tail: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out (nq, dv), lse (nq,))` of each query over every key of the IVF lists it probes;
-    with `positions`, keys after a query's position are excluded (causal). With `tail`, the
-    lists it does not probe are estimated (`ivf_tail_estimate`) and merged in exactly.
+    with `positions`, keys after a query's position are excluded (causal).
     `keys_w` are the key witnesses to score (default: the indexed ones, which carry no
     gradient); pass witnesses computed under autograd for gradients to the keys."""
-    if tail and positions is not None:
-        raise ValueError("the IVF tail estimate does not support causal attention")
     geometry: Geometry = index.geometry
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
     n_queries, nprobe = probes.shape
@@ -94,8 +90,6 @@ def ivf_block_attention(
             strict=True,
         )
     )
-    if tail:
-        parts.append(ivf_tail_estimate(index, queries_w, values, probes, keys_w=keys_w))
     return merge_attention(*parts)
 
 
@@ -143,55 +137,3 @@ def probed_keys(index: GeometryIndex, queries_w: torch.Tensor) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
-
-
-def ivf_tail_estimate(
-    index: GeometryIndex,
-    queries_w: torch.Tensor,
-    values: torch.Tensor,
-    probes: torch.Tensor,
-    *,
-    keys_w: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Estimated `(out, lse)` of each query over the keys of the IVF lists it does not probe
-    (SPEC 6, dot-product geometry); `keys_w` as in `ivf_block_attention`.
-
-    For list c with n_c keys, key mean mu_c, per-coordinate key variance sigma_c^2 and value
-    mean m_c, and the logit `s q.k` (s the geometry's scale):
-    `log sum_{j in c} exp(s q.k_j) ~ log n_c + s q.mu_c + s^2 sum_i q_i^2 sigma_ci^2 / 2` (the
-    second-order estimate with a diagonal covariance) and the list's output ~ m_c. Lists merge
-    with their estimated weights. The key-value cross-covariance correction and full covariances
-    come with the cluster-tail mode.
-    """
-    geometry = index.geometry
-    if not isinstance(geometry, DotProduct):
-        raise ValueError(
-            f"the IVF tail estimate is defined for the dot-product geometry, got "
-            f"{type(geometry).__name__}"
-        )
-    lists = index.parts[0].lists()
-    counts = torch.tensor([len(ids) for ids in lists], dtype=queries_w.dtype)
-    order = torch.cat(lists)
-    cell_of = torch.repeat_interleave(torch.arange(len(lists)), counts.long())
-    keys_w = index.keys if keys_w is None else keys_w
-    keys, cell_values = keys_w[order], values[order]
-    safe = counts.clamp_min(1).unsqueeze(-1)
-    key_mean = keys.new_zeros(len(lists), keys.shape[-1]).index_add_(0, cell_of, keys) / safe
-    key_var = torch.zeros_like(key_mean).index_add_(0, cell_of, keys.square()) / safe
-    key_var = (key_var - key_mean.square()).clamp_min(0)
-    value_mean = values.new_zeros(len(lists), values.shape[-1])
-    value_mean = value_mean.index_add_(0, cell_of, cell_values)
-    value_mean = value_mean / safe
-    s = geometry.scale
-    cell_lse = (
-        counts.clamp_min(1).log()
-        + s * queries_w @ key_mean.T
-        + 0.5 * s * s * queries_w.square() @ key_var.T
-    )
-    unvisited = torch.ones_like(cell_lse, dtype=torch.bool)
-    unvisited[torch.arange(len(probes)).unsqueeze(-1), probes] = False
-    cell_lse = cell_lse.masked_fill(~unvisited | (counts == 0), float("-inf"))
-    lse = torch.logsumexp(cell_lse, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = torch.exp(cell_lse - finite.unsqueeze(-1)) @ value_mean
-    return out, lse

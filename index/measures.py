@@ -69,3 +69,27 @@ def summary(values: torch.Tensor) -> dict[str, float]:
     """Median and 99th percentile of a per-query measure."""
     values = values.double()
     return {"median": values.median().item(), "p99": values.quantile(0.99).item()}
+
+
+def quality(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    reference_out: torch.Tensor,
+    reference_lse: torch.Tensor,
+    keys_read: torch.Tensor | None = None,
+    n_keys: int | None = None,
+) -> dict[str, float]:
+    """The quality report of an approximate attention result against exact dense attention:
+    median and p99 relative output error, median absolute lse error and, given the keys read
+    per query, the mean fraction of keys read."""
+    error = summary(output_error(out, reference_out))
+    report = {
+        "err_median": error["median"],
+        "err_p99": error["p99"],
+        "lse_abs_err_median": (lse - reference_lse).abs().double().median().item(),
+    }
+    if keys_read is not None:
+        if n_keys is None:
+            raise ValueError("keys_read needs n_keys")
+        report["keys_read_frac"] = keys_read.double().mean().item() / n_keys
+    return report

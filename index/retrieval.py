@@ -1,7 +1,8 @@
 """`retrieval_attention`: build or reuse an index over the keys, gather each query's candidates
 (index neighbours, a local window, sink positions; causally filtered), attend exactly over the
 top K of them (SPEC 6, DESIGN "Data flow"); with IVF, score whole lists in dense blocks
-(`ivf_blocks`)."""
+(`ivf_blocks`); with clusters (`KeyClusters`), visit the most massive clusters exactly and
+estimate the rest (`tail`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from rewa.attention import Geometry, sparse_attention
 from rewa.attention.sparse import attend_scored
 
 from .candidates import CandidateSet, build_candidates, query_positions
+from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings
 from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
+from .tail import tail_attention
 
 KeyIndex = GeometryIndex | CompositeLSH
 
@@ -74,7 +77,7 @@ def retrieval_attention(
     geometry: Geometry,
     *,
     top_k: int | None = 64,
-    index: KeyIndex | Literal["ivf", "flat", "hnsw", "lsh"] = "ivf",
+    index: KeyIndex | KeyClusters | Literal["ivf", "flat", "hnsw", "lsh", "clusters"] = "ivf",
     per_query: int | None = None,
     window: int = 0,
     sinks: int = 0,
@@ -82,6 +85,7 @@ def retrieval_attention(
     positions: torch.Tensor | None = None,
     query_block: int = 8192,
     tail: bool = False,
+    budget: float = 0.02,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of queries `(nq, d)` over keys `(nk, d)` and values `(nk, dv)`.
 
@@ -95,9 +99,14 @@ def retrieval_attention(
 
     With an IVF index over a single-lift geometry (and no window or sinks) each IVF list is
     scored against all the queries probing it in one dense block (`ivf_blocks`); `top_k=None`
-    then attends to every key of the probed lists instead of the best K of them, and `tail=True`
-    adds an estimate of the lists not probed (dot-product geometry; `ivf_tail_estimate`). With
-    other indexes `top_k=None` attends to every candidate.
+    then attends to every key of the probed lists instead of the best K of them. With other
+    indexes `top_k=None` attends to every candidate.
+
+    With `index="clusters"` (or a `KeyClusters` built over these keys and values) each query
+    reads the keys of its most massive clusters up to `budget` (a fraction of all keys) plus the
+    window (the last `window` keys) and the first `sinks` keys exactly (`tail_attention`;
+    `top_k` is not used); `tail=True` adds the estimate of every other cluster, so that `lse`
+    estimates the full log-partition. Not causal.
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
     """
@@ -106,6 +115,21 @@ def retrieval_attention(
             f"retrieval_attention takes one head: q (nq, d) and k (nk, d), got {tuple(q.shape)} "
             f"and {tuple(k.shape)}"
         )
+    if index == "clusters" or isinstance(index, KeyClusters):
+        return _cluster_attention(
+            q,
+            k,
+            v,
+            geometry,
+            index,
+            budget=budget,
+            tail=tail,
+            window=window,
+            sinks=sinks,
+            causal=causal,
+        )
+    if tail:
+        raise ValueError("tail=True needs index='clusters' or a KeyClusters")
     if isinstance(index, str):
         index = build_index(k, geometry, index)
     elif index.ntotal != k.shape[0]:
@@ -113,11 +137,6 @@ def retrieval_attention(
     if positions is None:
         positions = query_positions(q.shape[0], k.shape[0], q.device)
     use_blocks = supports_ivf_blocks(index) and window == 0 and sinks == 0
-    if tail and not (use_blocks and top_k is None):
-        raise ValueError(
-            "tail=True needs an IVF index over a single-lift geometry, top_k=None, and no "
-            "window or sinks"
-        )
     if use_blocks:
         # Memory is bounded per IVF list here, so every query goes through in one pass.
         qw = geometry.witness(q)
@@ -125,7 +144,7 @@ def retrieval_attention(
         kw = geometry.witness(k) if torch.is_grad_enabled() else None
         kept = positions if causal else None
         if top_k is None:
-            return ivf_block_attention(index, qw, v, keys_w=kw, positions=kept, tail=tail)
+            return ivf_block_attention(index, qw, v, keys_w=kw, positions=kept)
         logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=kept)
         out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
         return out[0], lse[0]
@@ -147,3 +166,37 @@ def retrieval_attention(
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
+
+
+def _cluster_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    clusters: KeyClusters | str,
+    *,
+    budget: float,
+    tail: bool,
+    window: int,
+    sinks: int,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`retrieval_attention` over a clustered context (`tail_attention`)."""
+    if causal:
+        raise ValueError(
+            "cluster attention is not causal (its statistics cover every key); use an IVF, "
+            "HNSW, flat or LSH index for causal attention"
+        )
+    if isinstance(clusters, str):
+        with torch.no_grad():
+            clusters = KeyClusters.build(geometry.witness(k), v, geometry)
+    elif clusters.n_keys != k.shape[0]:
+        raise ValueError(f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given")
+    n_keys = k.shape[0]
+    always = torch.cat(
+        [
+            torch.arange(min(sinks, n_keys), device=k.device),
+            torch.arange(max(n_keys - window, 0), n_keys, device=k.device),
+        ]
+    )
+    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)

@@ -262,60 +262,6 @@ def test_ivf_block_attention_reads_only_probed_lists():
     assert (rows >= 0).sum(-1).float().mean() < 4096 / 4  # 2 of 16 lists, unequal in size
 
 
-def test_ivf_tail_estimate_is_exact_for_zero_variance_lists():
-    """Lists of identical keys: the second-order estimate is exact (log n_c + s q.k, and the
-    value mean is the exact output of a list whose keys all score the same)."""
-    g = make_geometry("dot", 8).double()
-    centers = torch.randn(8, 8, dtype=torch.float64) * 5
-    k = centers.repeat_interleave(10, dim=0)
-    v = torch.randn(80, 3, dtype=torch.float64)
-    q = torch.randn(20, 8, dtype=torch.float64)
-    index = build_index(k, g, "ivf", nlist=16, nprobe=3)
-    for ids in index.parts[0].lists():  # lists may split a group, never mix two
-        assert len(ids) == 0 or (k[ids] == k[ids[0]]).all()
-    out, lse = retrieval_attention(q, k, v, g, top_k=None, index=index, tail=True)
-    expected_out, expected_lse = dense_attention(q, k, v, g)
-    torch.testing.assert_close(out, expected_out, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(lse, expected_lse, rtol=1e-9, atol=1e-9)
-    exact_only, _ = retrieval_attention(q, k, v, g, top_k=None, index=index)
-    assert not torch.allclose(exact_only, expected_out, atol=1e-3)
-
-
-def test_ivf_tail_estimate_reduces_the_error_of_reading_one_list():
-    data = clustered(8192)
-    g = data.geometry()
-    index = build_index(data.k, g, "ivf", nprobe=1)
-    queries = data.q[:1024]
-    reference, _ = dense_attention(queries, data.k, data.v, g)
-    errors = {}
-    for tail in (False, True):
-        out, _ = retrieval_attention(queries, data.k, data.v, g, top_k=None, index=index, tail=tail)
-        errors[tail] = output_error(out, reference)
-    print(
-        f"\nIVF nprobe=1 on clustered N=8192, median/p99 output error: exact-only "
-        f"{errors[False].median():.4f}/{errors[False].quantile(0.99):.4f}, with tail "
-        f"{errors[True].median():.4f}/{errors[True].quantile(0.99):.4f}"
-    )
-    assert errors[True].quantile(0.99) < errors[False].quantile(0.99)
-
-
-def test_tail_needs_the_ivf_block_path():
-    g = make_geometry("dot", 8)
-    k = torch.randn(300, 8)
-    with pytest.raises(ValueError, match="tail=True needs"):
-        retrieval_attention(k[:5], k, k, g, top_k=64, index="ivf", tail=True)
-    with pytest.raises(ValueError, match="dot-product geometry"):
-        retrieval_attention(
-            k[:5],
-            k,
-            k,
-            make_geometry("sphere", 8),
-            top_k=None,
-            index=build_index(k, make_geometry("sphere", 8), "ivf"),
-            tail=True,
-        )
-
-
 @pytest.mark.parametrize("top_k", [None, 10])
 def test_retrieval_gradients_match_dense_when_every_list_is_probed(top_k):
     g = build_geometry("poincare", 6)

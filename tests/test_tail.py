@@ -1,0 +1,245 @@
+"""Cluster-tail attention (SPEC 6 "Tail estimate"): exactness when every cluster is visited, the
+limits where the estimator is exact, and lower error than exact-only sparse attention."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.data import clustered, tree
+from rewa.attention import dense_attention, make_geometry
+from rewa.attention.geometry import lift_similarity
+from rewa.index import (
+    KeyClusters,
+    estimate_clusters,
+    output_error,
+    quality,
+    retrieval_attention,
+    tail_attention,
+)
+from tests.support import GEOMETRY_NAMES, build_geometry
+
+TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
+
+
+def _inputs(n_keys=400, n_queries=30, dim=8, dv=5, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_queries, dim, generator=generator, dtype=torch.float64) * 0.6
+    k = torch.randn(n_keys, dim, generator=generator, dtype=torch.float64) * 0.6
+    v = torch.randn(n_keys, dv, generator=generator, dtype=torch.float64)
+    return q, k, v
+
+
+def _clusters(k, v, geometry, **options):
+    with torch.no_grad():
+        return KeyClusters.build(geometry.witness(k), v, geometry, **options)
+
+
+@pytest.mark.parametrize(
+    ("name", "power"),
+    [("dot", None)] + [(name, p) for name in GEOMETRY_NAMES if name != "dot" for p in (1, 2)],
+)
+def test_logits_are_functions_of_the_lift_similarities(name, power):
+    options = {} if power is None else {"power": power}
+    g = build_geometry(name, 8, **options)
+    q, k, _ = _inputs(n_keys=9, n_queries=7)
+    qw, kw = g.witness(q), g.witness(k)
+    similarities = [
+        lift_similarity(a, b) for a, b in zip(g.lift(qw, "query"), g.lift(kw, "key"), strict=True)
+    ]
+    torch.testing.assert_close(
+        sum(g.similarity_logits(qw, similarities)), g.score(qw, kw), rtol=1e-10, atol=1e-10
+    )
+
+
+@pytest.mark.parametrize("name", TAIL_GEOMETRIES)
+def test_visiting_every_cluster_is_dense_attention(name):
+    g = build_geometry(name, 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=12)
+    report = {}
+    with torch.no_grad():
+        out, lse = tail_attention(q, clusters, budget=1.0, report=report)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
+    assert (report["keys_read"] == 400).all()
+
+
+@pytest.mark.parametrize("name", TAIL_GEOMETRIES)
+def test_the_estimate_is_exact_for_one_key_per_cluster(name):
+    """Zero variance: every cluster's estimate is its key's exact term, with nothing read."""
+    g = build_geometry(name, 8)
+    q, k, v = _inputs(n_keys=40)
+    clusters = _clusters(k, v, g, n_clusters=40)
+    assert (clusters.counts == 1).all()
+    report = {}
+    with torch.no_grad():
+        out, lse = tail_attention(q, clusters, budget=0.0, report=report)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    assert (report["keys_read"] == 0).all()
+    torch.testing.assert_close(out, expected_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", TAIL_GEOMETRIES)
+def test_the_estimate_is_exact_for_clusters_of_identical_keys(name):
+    g = build_geometry(name, 8)
+    q, centres, _ = _inputs(n_keys=6)
+    k = centres.repeat_interleave(25, dim=0)
+    v = torch.randn(150, 4, dtype=torch.float64)
+    clusters = _clusters(k, v, g, n_clusters=12)
+    for first, last in zip(
+        clusters.offsets[:-1].tolist(), clusters.offsets[1:].tolist(), strict=True
+    ):
+        # k-means may split a group of identical keys, never mix two
+        assert (clusters.keys_w[first:last] == clusters.keys_w[first:last][:1]).all()
+    with torch.no_grad():
+        out, lse = tail_attention(q, clusters, budget=0.0)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    torch.testing.assert_close(out, expected_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-9, atol=1e-9)
+
+
+def test_the_dot_product_estimate_is_unbiased_for_gaussian_keys_and_values():
+    """One large cluster of jointly Gaussian keys and values: the second-order log-mass and the
+    first-order value correction are the exact Gaussian expectations, so the estimate converges
+    to the exact attention as the cluster grows (here 200 000 keys)."""
+    generator = torch.Generator().manual_seed(3)
+    dim, n = 6, 200_000
+    mixing = torch.randn(dim, dim, generator=generator, dtype=torch.float64) * 0.3
+    k = torch.randn(n, dim, generator=generator, dtype=torch.float64) @ mixing + 0.5
+    projection = torch.randn(dim, 3, generator=generator, dtype=torch.float64)
+    v = k @ projection + 0.1 * torch.randn(n, 3, generator=generator, dtype=torch.float64)
+    q = torch.randn(20, dim, generator=generator, dtype=torch.float64)
+    g = make_geometry("dot", dim).double()
+    clusters = _clusters(k, v, g, n_clusters=1, rank=dim)
+    with torch.no_grad():
+        out, lse = tail_attention(q, clusters, budget=0.0)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    assert (lse - expected_lse).abs().max() < 2e-3
+    error = output_error(out, expected_out)  # what is left is the sample's own noise
+    assert error.median() < 2e-3 and error.max() < 2e-2
+    # The value mean alone (no cross-covariance correction) is clearly worse.
+    mean_only = clusters.value_mean.expand_as(out)
+    assert output_error(mean_only, expected_out).median() > 0.1
+
+
+def test_window_and_sink_keys_are_read_exactly_and_not_estimated_twice():
+    g = build_geometry("dot", 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=10)
+    with torch.no_grad():
+        expected = dense_attention(q, k, v, g)
+        every = tail_attention(q, clusters, budget=0.0, always=torch.arange(400))
+        full = retrieval_attention(
+            q, k, v, g, index=clusters, budget=1.0, tail=True, window=50, sinks=4
+        )
+        report = {}
+        tail_attention(q, clusters, budget=0.1, always=torch.arange(30), report=report)
+    for result in (every, full):
+        torch.testing.assert_close(result[0], expected[0], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(result[1], expected[1], rtol=1e-10, atol=1e-12)
+    assert (report["keys_read"] <= 40).all() and (report["keys_read"] >= 30).all()
+
+
+@pytest.mark.parametrize("make_data", [clustered, tree], ids=["clustered", "tree"])
+def test_tail_beats_exact_only_sparse_attention_at_the_same_keys_read(make_data):
+    data = make_data(8192)
+    g = data.geometry()
+    queries = data.q[:512]
+    with torch.no_grad():
+        reference = dense_attention(queries, data.k, data.v, g)
+        clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=256)
+        results = {}
+        for tail in (False, True):
+            report = {}
+            out, lse = tail_attention(queries, clusters, budget=0.02, tail=tail, report=report)
+            results[tail] = quality(out, lse, *reference, report["keys_read"], 8192)
+    print(f"\n{data.name} N=8192, 2% of keys: exact-only {results[False]}, tail {results[True]}")
+    assert results[True]["keys_read_frac"] == results[False]["keys_read_frac"] <= 0.02
+    assert results[True]["err_median"] < results[False]["err_median"]
+    assert results[True]["lse_abs_err_median"] < results[False]["lse_abs_err_median"]
+
+
+def test_keys_read_respect_the_budget():
+    data = clustered(8192)
+    g = data.geometry()
+    clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=256)
+    for budget in (0.0, 0.01, 0.05):
+        report = {}
+        tail_attention(data.q[:64], clusters, budget=budget, report=report)
+        assert (report["keys_read"] <= budget * 8192).all()
+    assert report["keys_read"].float().mean() > 0.5 * 0.05 * 8192
+
+
+def test_clusters_serialise_round_trip():
+    g = build_geometry("poincare", 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=7, rank=3)
+    restored = KeyClusters.from_bytes(clusters.to_bytes(), g)
+    for name in ("order", "offsets", "keys_w", "factor", "value_factor", "radius"):
+        assert torch.equal(getattr(restored, name), getattr(clusters, name))
+    with torch.no_grad():
+        first = tail_attention(q, clusters, budget=0.1)
+        second = tail_attention(q, restored, budget=0.1)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    stranger = io.BytesIO()
+    np.savez(stranger, order=clusters.order.numpy())
+    with pytest.raises(ValueError, match="expected arrays"):
+        KeyClusters.from_bytes(stranger.getvalue(), g)
+
+
+def test_gradients_reach_the_queries():
+    g = build_geometry("sphere", 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=10)
+    q = q.requires_grad_()
+    out, lse = tail_attention(q, clusters, budget=0.05)
+    (grad,) = torch.autograd.grad(out.square().sum() + lse.sum(), q)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_the_estimates_rank_the_true_cluster_masses():
+    """The per-cluster log-mass estimates track the exact per-cluster log-sum-exp."""
+    data = clustered(8192)
+    g = data.geometry()
+    clusters = KeyClusters.build(g.witness(data.k), data.v, g)
+    queries = data.q[:32]
+    with torch.no_grad():
+        estimate, _ = estimate_clusters(queries, clusters)
+        logits = g.logits(queries, data.k)[:, clusters.order]
+        exact = torch.stack(
+            [
+                torch.logsumexp(logits[:, a:b], dim=-1)
+                for a, b in zip(
+                    clusters.offsets[:-1].tolist(), clusters.offsets[1:].tolist(), strict=True
+                )
+            ],
+            dim=-1,
+        )
+    finite = torch.isfinite(exact)
+    correlation = torch.corrcoef(torch.stack([estimate[finite], exact[finite]]))[0, 1]
+    assert correlation > 0.95
+    assert (estimate.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
+
+
+def test_bad_inputs_are_rejected():
+    g = build_geometry("dot", 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=4)
+    with pytest.raises(ValueError, match="budget"):
+        tail_attention(q, clusters, budget=1.5)
+    with pytest.raises(ValueError, match="expected queries"):
+        tail_attention(q[:, :4], clusters)
+    with pytest.raises(ValueError, match="always ids"):
+        tail_attention(q, clusters, always=torch.tensor([400]))
+    with pytest.raises(ValueError, match="not causal"):
+        retrieval_attention(q, k, v, g, index=clusters, causal=True)
+    with pytest.raises(ValueError, match="tail=True needs"):
+        retrieval_attention(q, k, v, g, index="ivf", tail=True)
+    with pytest.raises(ValueError, match="n_clusters"):
+        KeyClusters.build(k, v, g, n_clusters=401)
+    with pytest.raises(ValueError, match="same n"):
+        KeyClusters.build(k, v[:5], g)
