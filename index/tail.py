@@ -32,8 +32,8 @@ Limits where the estimate is exact: a cluster of one key or of identical keys (z
 (`log E exp(scale s) = scale s_bar + scale^2 var / 2`); the log-partition is exact when every
 cluster is visited.
 
-Which clusters a query visits: the longest prefix of its clusters ranked by estimated mass
-whose keys fit in the `budget` (a fraction of the context's keys).
+Which clusters a query visits: its clusters in order of estimated mass, each taken if its keys
+still fit in the `budget` (a fraction of the context's keys).
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ def _hermite_estimate(
 def select_clusters(
     log_mass: torch.Tensor, counts: torch.Tensor, budget_keys: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clusters each query visits, as `(query, cluster)` pairs: the longest prefix of its
-    clusters ranked by estimated mass (descending) whose keys fit in `budget_keys`."""
+    """The clusters each query visits, as `(query, cluster)` pairs: its clusters in order of
+    estimated mass (descending), each taken if its keys still fit in `budget_keys`."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
@@ -154,7 +154,12 @@ def select_clusters(
     width = min(n_clusters, int(budget_keys / smallest) + 1)
     best = log_mass.topk(width, dim=-1).indices
     sizes = counts[best]
-    chosen = (sizes.cumsum(-1) <= budget_keys) & (sizes > 0)
+    chosen = torch.zeros_like(best, dtype=torch.bool)
+    remaining = torch.full_like(sizes[:, 0], budget_keys)
+    for column in range(width):  # greedy in mass order; `width` is small
+        size = sizes[:, column]
+        chosen[:, column] = (size <= remaining) & (size > 0)
+        remaining = remaining - size * chosen[:, column]
     queries, slots = chosen.nonzero(as_tuple=True)
     return queries, best[queries, slots]
 

@@ -1,0 +1,187 @@
+"""Cluster-tail attention against exact dense attention and exact-only sparse attention.
+
+N = 131072 keys, 1024 queries, no gradient, one process. Data sets:
+
+- `text`: every head (12) of MiniLM layer 5 over the Python standard library's sources
+  (`benchmarks/text_data.py`; head dim 32; queries are 1024 random tokens of the same text);
+- `clustered` and `tree` of `benchmarks/data.py` (one head, d = 64).
+
+Geometries: `dot` (scale 1/sqrt(d)), `sphere` and `poincare`. Each data set keeps its own
+geometry's temperature where it has one (`clustered`: dot; `tree`: Poincare, temperature
+0.06); the other geometries use a softplus temperature of 0.1 and, for Poincare, queries and
+keys divided by the median key norm (raw MiniLM vectors have norms around 5-10, which
+`expmap0` would push to the boundary of the ball).
+
+Modes, all on the same queries against the same exact reference:
+
+- `dense`: exact dense attention (`dense_attention`; PyTorch's fused kernel for the dot
+  product on CPU);
+- `build`: building the clustered representation (`KeyClusters.build`, defaults: N / 256
+  clusters, covariance rank 8), once per context;
+- `topk`: exact-only sparse attention over the clusters each query visits (`tail=False`);
+- `tail`: the same keys read exactly plus the estimate of every other cluster.
+
+at budgets of 0.5, 1 and 2 % of the keys. Each record: `{"dataset", "geometry", "mode", "head",
+"budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median", "seconds"}` (seconds:
+the faster of two runs after a warm-up).
+
+    .venv/bin/python benchmarks/tail.py
+    .venv/bin/python benchmarks/tail.py --datasets clustered --n 8192 --out /tmp/tail
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.data import DATASETS
+from benchmarks.text_data import DEFAULT_LAYER, text_projections
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import KeyClusters, quality, tail_attention
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BUDGETS = [0.005, 0.01, 0.02]
+GEOMETRIES = ["dot", "sphere", "poincare"]
+N_QUERIES = 1024
+OTHER_TEMPERATURE = 0.1
+
+
+def heads(dataset: str, n: int):
+    """`(head, q (1024, d), k (n, d), v (n, dv), native geometry spec or None)` per head."""
+    generator = torch.Generator().manual_seed(0)
+    if dataset == "text":
+        q, k, v = text_projections(n, layer=DEFAULT_LAYER)
+        rows = torch.randperm(n, generator=generator)[:N_QUERIES]
+        for head in range(q.shape[0]):
+            yield head, q[head, rows], k[head], v[head], None
+        return
+    data = DATASETS[dataset](n)
+    spec = dict(data.geometry_spec)
+    yield 0, data.q[:N_QUERIES], data.k, data.v, spec
+
+
+def geometry_for(name: str, native: dict | None, dim: int):
+    if native is not None and native["name"] == name:
+        spec = dict(native)
+        return make_geometry(spec.pop("name"), dim, **spec)
+    if name == "dot":
+        return make_geometry("dot", dim)
+    return make_geometry(name, dim, temperature="softplus", tau_init=OTHER_TEMPERATURE)
+
+
+def timed(fn, repeats: int = 2):
+    fn()
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return result, best
+
+
+def run(datasets: list[str], n: int, geometries: list[str]) -> list[dict]:
+    records = []
+    for dataset in datasets:
+        for head, q, k, v, native in heads(dataset, n):
+            for name in geometries:
+                g = geometry_for(name, native, q.shape[-1])
+                qg, kg = q, k
+                if name == "poincare" and not (native and native["name"] == "poincare"):
+                    scale = k.norm(dim=-1).median()
+                    qg, kg = q / scale, k / scale
+                base = {"dataset": dataset, "geometry": name, "head": head}
+                with torch.no_grad():
+                    reference, seconds = timed(lambda: dense_attention(qg, kg, v, g))  # noqa: B023
+                    records.append(
+                        {**base, "mode": "dense", "budget": 1.0, "keys_read_frac": 1.0}
+                        | {"err_median": 0.0, "err_p99": 0.0, "lse_abs_err_median": 0.0}
+                        | {"seconds": seconds}
+                    )
+                    start = time.perf_counter()
+                    clusters = KeyClusters.build(g.witness(kg), v, g)
+                    records.append(
+                        {**base, "mode": "build", "seconds": time.perf_counter() - start}
+                    )
+                    for budget in BUDGETS:
+                        for mode in ("topk", "tail"):
+                            report = {}
+                            (out, lse), seconds = timed(
+                                lambda: tail_attention(
+                                    qg,  # noqa: B023
+                                    clusters,  # noqa: B023
+                                    budget=budget,  # noqa: B023
+                                    tail=mode == "tail",  # noqa: B023
+                                    report=report,  # noqa: B023
+                                )
+                            )
+                            measures = quality(out, lse, *reference, report["keys_read"], n)
+                            record = {**base, "mode": mode, "budget": budget, **measures}
+                            records.append(record | {"seconds": seconds})
+                            print(json.dumps(record | {"seconds": round(seconds, 4)}), flush=True)
+    return records
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = sorted({r["dataset"] for r in records})
+    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    for axis, dataset in zip(axes[0], datasets, strict=True):
+        for geometry in GEOMETRIES:
+            for mode, style in (("tail", "-"), ("topk", "--")):
+                rows = [
+                    r
+                    for r in records
+                    if r["dataset"] == dataset and r["geometry"] == geometry and r["mode"] == mode
+                ]
+                if not rows:
+                    continue
+                budgets = sorted({r["budget"] for r in rows})
+                # Worst head at each budget (one head outside `text`).
+                points = [
+                    max((r for r in rows if r["budget"] == b), key=lambda r: r["err_median"])
+                    for b in budgets
+                ]
+                axis.plot(
+                    [100 * p["keys_read_frac"] for p in points],
+                    [p["err_median"] for p in points],
+                    style,
+                    marker="o",
+                    label=f"{geometry} {mode}",
+                )
+        axis.set_yscale("log")
+        axis.set_xlabel("keys read (%)")
+        axis.set_ylabel("median relative output error (worst head)")
+        axis.set_title(dataset)
+        axis.axhline(0.05, color="grey", linewidth=0.8)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["text", "clustered", "tree"])
+    parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
+    parser.add_argument("--n", type=int, default=131072)
+    parser.add_argument("--out", type=Path, default=RESULTS / "tail")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    records = run(args.datasets, args.n, args.geometries)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(records, indent=1))
+    plot(records, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
