@@ -26,7 +26,7 @@ import torch
 CACHE_DIR = Path(__file__).resolve().parent / "cache"
 WINDOW = 510  # content tokens per window; with [CLS] and [SEP], the model's 512 positions
 BATCH = 8
-DEFAULT_LAYER = 2
+DEFAULT_LAYER = 5  # the last layer: its heads are the most uniformly diffuse
 
 
 def stdlib_sources() -> list[Path]:

@@ -29,3 +29,13 @@ def test_sparse_example_runs():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert result.stdout.strip().splitlines()[-1] == "(100, 64) (100,)"
+
+
+def test_tail_example_runs():
+    text = README.read_text()
+    example = re.search(r"### Cluster-tail attention\n.*?```python\n(.*?)```", text, re.S)
+    code = example.group(1) + "\nprint(tuple(out.shape), tuple(lse.shape))\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.strip().splitlines() == ["True", "(100, 64) (100,)"]
