@@ -249,28 +249,6 @@ class AdaptiveProductGeometry(ProductGeometry):
     def witness(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([super().witness(x), self.token_weights(x)], dim=-1)
 
-    def similarity_logits(
-        self, qw: torch.Tensor, similarities: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """One term per present component, `-w d^p / tau`, from its lift similarity."""
-        q_parts = self.split(qw)
-        weights = self._weights_for(qw)
-        inverse_tau = per_head(-1 / self.temperature())
-        terms = []
-        for name, similarity in zip(self.present, similarities, strict=True):
-            if name == "euclidean":
-                dist = safe_sqrt(-similarity)
-            elif name == "sphere":
-                dist = sphere.distance_from_cosine(similarity)
-            else:
-                k = torch.tensor(-1.0, dtype=qw.dtype, device=qw.device)
-                squared_chord = stereographic.squared_chord_from_similarity(
-                    q_parts[name], similarity, k
-                )
-                dist = stereographic.distance_from_squared_chord(squared_chord, k)
-            terms.append(weights[name] * (dist.square() if self.power == 2 else dist) * inverse_tau)
-        return terms
-
     def _weights_for(self, qw: torch.Tensor) -> dict[str, torch.Tensor]:
         columns = qw[..., -3:].unsqueeze(-1)
         return {name: columns[..., i, :] for i, name in enumerate(COMPONENTS)}

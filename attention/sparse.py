@@ -132,11 +132,23 @@ def attend_scored(
     """Softmax attention over keys already scored: logits and key ids `(B, c, K)` (`-inf` for
     padding; padded ids may be anything in range), values `(B, nk, dv)` -> `(out (B, c, dv),
     lse (B, c))`; a row with no finite logit gets `(0, -inf)`."""
-    lse = torch.logsumexp(logits, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(logits - finite.unsqueeze(-1))
     chosen = _gather_rows(values, ids.clamp_min(0))
-    return (weights.unsqueeze(-2) @ chosen).squeeze(-2), lse
+    out, lse = softmax_attend(logits.unsqueeze(-2), chosen)
+    return out.squeeze(-2), lse.squeeze(-1)
+
+
+def softmax_attend(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(softmax(logits) @ values, logsumexp(logits))` for logits `(..., n, K)` and values
+    `(..., K, dv)`, with one exponential per logit; `-inf` logits are masked keys, and a row
+    with no finite logit gets `(0, -inf)`."""
+    top = logits.amax(-1, keepdim=True)
+    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(logits - shift)
+    total = weights.sum(-1)
+    seen = total > 0
+    out = (weights @ values) / torch.where(seen, total, 1).unsqueeze(-1)
+    lse = torch.where(seen, shift.squeeze(-1) + total.log(), float("-inf"))
+    return out, lse
 
 
 def _gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -168,34 +168,53 @@ def distance_matrix(
 ) -> torch.Tensor:
     """`scale *` distances `(..., n, m)` between `x (..., n, d)` and `y (..., m, d)` from one
     matrix product: the squared conformal chord `|x - y|^2 / ((1 + k|x|^2)(1 + k|y|^2))` is a
-    weighted squared distance. `k` and `scale` broadcast against the `(..., n, m)` result (per
-    head: `(H, 1, 1)`)."""
+    weighted squared distance, with the curvature factor of `_distance_from_weighted_chord`
+    folded into the key weights (no extra pass over the result). `k` and `scale` broadcast
+    against the `(..., n, m)` result (per head: `(H, 1, 1)`)."""
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
     row_k = _as_column(k)
+    sign = _fixed_sign(k)
     x_weight = _conformal_factor(x, row_k).square()
-    y_weight = _conformal_factor(y, row_k).square()
-    return distance_from_squared_chord(gram_squared_distance(x, y, x_weight, y_weight), k, scale)
+    y_weight = _conformal_factor(y, row_k).square() * _chord_weight(row_k, sign)
+    return _distance_from_weighted_chord(
+        gram_squared_distance(x, y, x_weight, y_weight), k, sign, scale
+    )
 
 
 def distance_from_squared_chord(
     squared_chord: torch.Tensor, k: torch.Tensor, scale: torch.Tensor | float | None = None
 ) -> torch.Tensor:
     """`scale * 2 arsin_k(chord)` from the squared conformal chord (negative rounding noise
-    counts as 0); `k` broadcasts against it.
-
-    For a curvature of one strict sign that needs no gradient, the closed form runs directly on
-    `v = 2|k| chord^2`: `arccosh(1 + v)/sqrt(-k)` (SPEC 1.4's form) for k < 0,
-    `2 arcsin(sqrt(v/2))/sqrt(k)` for k > 0 (the dense-attention hot path).
-    """
+    counts as 0); `k` broadcasts against it."""
     k = torch.as_tensor(k, dtype=squared_chord.dtype, device=squared_chord.device)
-    factor = 1.0 if scale is None else scale
     sign = _fixed_sign(k)
+    return _distance_from_weighted_chord(squared_chord * _chord_weight(k, sign), k, sign, scale)
+
+
+def _chord_weight(k: torch.Tensor, sign: int) -> torch.Tensor | float:
+    """The factor `_distance_from_weighted_chord` expects on the squared chord: `2|k|` (k < 0),
+    `k` (k > 0), 1 (mixed signs, or a gradient in k)."""
     if sign < 0:
-        return acosh1p(squared_chord * (-2 * k)) * (factor / (-k).sqrt())
+        return -2 * k
+    return k if sign > 0 else 1.0
+
+
+def _distance_from_weighted_chord(
+    v: torch.Tensor, k: torch.Tensor, sign: int, scale: torch.Tensor | float | None
+) -> torch.Tensor:
+    """`scale * 2 arsin_k(chord)` from `v = _chord_weight(k, sign) * chord^2`.
+
+    For a curvature of one strict sign that needs no gradient the closed form runs directly on
+    `v`: `arccosh(1 + v)/sqrt(-k)` (SPEC 1.4's form, v = 2|k| chord^2) for k < 0,
+    `2 arcsin(sqrt(v))/sqrt(k)` (v = k chord^2) for k > 0 (the dense-attention hot path);
+    otherwise the element-wise `arsin_k` with its series near 0.
+    """
+    factor = 1.0 if scale is None else scale
+    if sign < 0:
+        return acosh1p(v) * (factor / (-k).sqrt())
     if sign > 0:
-        half_v = squared_chord * k
-        return torch.asin(safe_sqrt(half_v).clamp_max(1.0)) * (2 * factor / k.sqrt())
-    return arsin_k(safe_sqrt(squared_chord), k) * (2 * factor)
+        return torch.asin(safe_sqrt(v).clamp_max(1.0)) * (2 * factor / k.sqrt())
+    return arsin_k(safe_sqrt(v), k) * (2 * factor)
 
 
 def _as_column(k: torch.Tensor) -> torch.Tensor:

@@ -174,13 +174,13 @@ def main() -> None:
     parser.add_argument("--datasets", nargs="+", default=["text", "clustered", "tree"])
     parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
     parser.add_argument("--n", type=int, default=131072)
-    parser.add_argument("--out", type=Path, default=RESULTS / "tail")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.manual_seed(0)
     records = run(args.datasets, args.n, args.geometries)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(records, indent=1))
-    plot(records, args.out.with_suffix(".png"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "tail.json").write_text(json.dumps(records, indent=1))
+    plot(records, args.out / "tail.png")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def key_features(lifts: list[Lift]) -> torch.Tensor:
 
 def query_features(lifts: list[Lift]) -> QueryFeatures:
     """Query features such that every lift similarity is `<a_block, b_block> + c`."""
-    blocks, constants, slices, start = [], [], [], 0
+    blocks, constants = [], []
     for lift in lifts:
         x = lift.vectors
         if lift.metric == "l2":
@@ -77,9 +77,7 @@ def query_features(lifts: list[Lift]) -> QueryFeatures:
         else:
             blocks.append(x)
             constants.append(torch.zeros_like(x[..., 0]))
-        slices.append(slice(start, start + blocks[-1].shape[-1]))
-        start += blocks[-1].shape[-1]
-    return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), slices)
+    return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), _lift_blocks(lifts))
 
 
 @dataclass
@@ -92,7 +90,6 @@ class KeyClusters:
     offsets: torch.Tensor  # (nc + 1,) cluster c holds sorted positions offsets[c]:offsets[c+1]
     keys_w: torch.Tensor  # (n, d_w) key witnesses, sorted by cluster
     values: torch.Tensor  # (n, dv) values, sorted by cluster
-    centroids: torch.Tensor  # (nc, lift dims) k-means centroids in concatenated lift space
     counts: torch.Tensor  # (nc,)
     mean: torch.Tensor  # (nc, D)
     factor: torch.Tensor  # (nc, D, r)
@@ -112,13 +109,6 @@ class KeyClusters:
     @property
     def rank(self) -> int:
         return self.factor.shape[-1]
-
-    @property
-    def cluster_of(self) -> torch.Tensor:
-        """The cluster of each sorted position, `(n,)`."""
-        return torch.repeat_interleave(
-            torch.arange(self.n_clusters, device=self.offsets.device), self.offsets.diff()
-        )
 
     @classmethod
     @torch.no_grad()
@@ -155,7 +145,7 @@ class KeyClusters:
         keys_w, values = keys_w.to(dtype), values.to(dtype)
         lifts = geometry.lift(keys_w, "key")
         points = torch.cat([lift.vectors for lift in lifts], dim=-1)
-        centroids, labels = kmeans(points, n_clusters, iterations, seed, device)
+        labels = kmeans(points, n_clusters, iterations, seed, device)
         labels = labels.to(keys_w.device)
         order = labels.argsort(stable=True)
         counts = torch.bincount(labels, minlength=n_clusters)
@@ -169,7 +159,6 @@ class KeyClusters:
             offsets=offsets,
             keys_w=keys_w[order],
             values=sorted_values,
-            centroids=centroids.to(keys_w.device),
             counts=counts.to(keys_w.dtype),
             **stats,
         )
@@ -200,11 +189,11 @@ class KeyClusters:
 
 def kmeans(
     points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FAISS k-means: centroids `(nc, dim)` and each point's cluster `(n,)`."""
+) -> torch.Tensor:
+    """FAISS k-means: each point's cluster `(n,)`."""
     x = np.ascontiguousarray(points.detach().to("cpu", torch.float32).numpy())
     if n_clusters == 1:
-        return points.mean(0, keepdim=True).cpu(), torch.zeros(len(x), dtype=torch.long)
+        return torch.zeros(len(x), dtype=torch.long)
     clustering = faiss.Kmeans(
         x.shape[1],
         n_clusters,
@@ -216,7 +205,7 @@ def kmeans(
     )
     clustering.train(x)
     _, labels = clustering.index.search(x, 1)
-    return torch.from_numpy(clustering.centroids), torch.from_numpy(labels[:, 0]).long()
+    return torch.from_numpy(labels[:, 0]).long()
 
 
 def _cluster_statistics(

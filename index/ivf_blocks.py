@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from rewa.attention import Geometry, merge_attention
+from rewa.attention.sparse import softmax_attend
 
 from .faiss_index import GeometryIndex
 
@@ -75,14 +76,7 @@ def ivf_block_attention(
         if positions is not None:
             late = order[first:last] > positions[queries].unsqueeze(-1)
             logits = logits.masked_fill(late, float("-inf"))
-        top = logits.amax(-1, keepdim=True)
-        shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-        weights = torch.exp(logits - shift)
-        total = weights.sum(-1)
-        seen = total > 0
-        block_out = weights @ list_values[first:last]
-        outs[pairs] = block_out / torch.where(seen, total, 1).unsqueeze(-1)
-        lses[pairs] = torch.where(seen, shift.squeeze(-1) + total.log(), float("-inf"))
+        outs[pairs], lses[pairs] = softmax_attend(logits, list_values[first:last])
     parts = list(
         zip(
             outs.view(n_queries, nprobe, -1).unbind(1),

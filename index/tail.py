@@ -9,8 +9,8 @@ cluster's radius allows (`s_bar +- |a| radius`), and integrate:
 
 - dot product (`logit = scale * s`), in closed form, the second-order estimate of SPEC 6:
   `log sum_{j in c} exp(l_j) ~ log n_c + scale s_bar + scale Delta / 2` with the tilt
-  `Delta = min(scale var, |a| radius)` (`= scale^2 var / 2`, SPEC 6's `q^T Sigma q / (2 d)`,
-  unless the bound caps it);
+  `Delta = min(scale var, |a| radius)`: `scale Delta / 2 = scale^2 var / 2`, SPEC 6's
+  `q^T Sigma q / (2 d)`, unless the bound caps it;
 - every other geometry: `log n_c + log sum_k w_k exp(phi(s_k))` over the three-point
   Gauss-Hermite rule, nodes `s_k = s_bar + sqrt(var) (0, +-sqrt(3))` with weights
   `(2/3, 1/6, 1/6)` (clamped to the bound), `phi` the geometry's logit as a function of the
@@ -18,7 +18,7 @@ cluster's radius allows (`s_bar +- |a| radius`), and integrate:
   The rule matches the Gaussian's moments up to the fifth; rules with more nodes reach further
   into a Gaussian tail that real clusters do not have, and with steep logits that tail
   dominates: on `tree` (Poincare, temperature 0.06, N = 8192) eight nodes overestimated the
-  log-partition by 14-28 nats, three nodes by 0.01-0.1.
+  log-partition by 14-28 nats, three nodes by 0.01-0.12.
   A product geometry does this per lift and adds the cross-lift cumulant
   `sum_{i<j} g_i g_j Cov(s_i, s_j)`, `g_i = Delta_i / var_i`.
 
@@ -32,7 +32,8 @@ Limits where the estimate is exact: a cluster of one key or of identical keys (z
 (`log E exp(scale s) = scale s_bar + scale^2 var / 2`); the log-partition is exact when every
 cluster is visited.
 
-Which clusters a query visits: its clusters in order of estimated mass, each taken if its keys
+Which clusters a query visits: its most massive clusters by estimate (twice as many as the
+budget holds at the average cluster size, plus 8), in descending order, each taken if its keys
 still fit in the `budget` (a fraction of the context's keys).
 """
 
@@ -44,6 +45,7 @@ import numpy as np
 import torch
 
 from rewa.attention import DotProduct, Geometry, merge_attention
+from rewa.attention.sparse import softmax_attend
 
 from .clusters import KeyClusters, query_features
 
@@ -143,20 +145,20 @@ def _hermite_estimate(
 def select_clusters(
     log_mass: torch.Tensor, counts: torch.Tensor, budget_keys: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clusters each query visits, as `(query, cluster)` pairs: its clusters in order of
-    estimated mass (descending), each taken if its keys still fit in `budget_keys`."""
+    """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
+    by estimate, in descending order, each taken if its keys still fit in `budget_keys`."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
-    n_clusters = log_mass.shape[-1]
-    # Enough of the best clusters to fill the budget even if every one were the smallest.
-    smallest = max(float(counts[counts > 0].min()), 1.0) if bool((counts > 0).any()) else 1.0
-    width = min(n_clusters, int(budget_keys / smallest) + 1)
+    # The greedy walk looks at the most massive clusters only: twice as many as the budget
+    # holds at the average cluster size, plus a few.
+    average = float(counts.sum()) / max(int((counts > 0).sum()), 1)
+    width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
     best = log_mass.topk(width, dim=-1).indices
     sizes = counts[best]
     chosen = torch.zeros_like(best, dtype=torch.bool)
     remaining = torch.full_like(sizes[:, 0], budget_keys)
-    for column in range(width):  # greedy in mass order; `width` is small
+    for column in range(width):
         size = sizes[:, column]
         chosen[:, column] = (size <= remaining) & (size > 0)
         remaining = remaining - size * chosen[:, column]
@@ -175,8 +177,8 @@ def tail_attention(
     report: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention `(out (nq, dv), lse (nq,))` of ambient queries `(nq, d)` over a clustered
-    context: exact over the clusters each query visits (the largest estimated masses until
-    `budget`, a fraction of all keys, is read) and over the key ids `always` (window and sinks,
+    context: exact over the clusters each query visits (`select_clusters`, within `budget`, a
+    fraction of all keys) and over the key ids `always` (window and sinks,
     shared by every query); with `tail`, every other cluster's estimate (module docstring) is
     merged in, and `lse` estimates the full log-partition. `tail=False` is exact-only sparse
     attention over the same keys.
@@ -200,21 +202,22 @@ def tail_attention(
             raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
         position = torch.empty_like(clusters.order)
         position[clusters.order] = torch.arange(n_keys, device=position.device)
-        is_always[position[always]] = True
-        counts = counts - torch.bincount(
-            clusters.cluster_of[position[always]], minlength=clusters.n_clusters
-        ).to(counts.dtype)
-    budget_keys = budget * n_keys - int(is_always.sum())
+        positions = position[always]
+        is_always[positions] = True
+        # Those keys are read exactly, so the estimates of their clusters leave them out.
+        cluster = torch.searchsorted(clusters.offsets, positions, right=True) - 1
+        counts = counts - torch.bincount(cluster, minlength=clusters.n_clusters).to(counts.dtype)
+        always_keys, always_values = clusters.keys_w[positions], clusters.values[positions]
+    n_always = int(is_always.sum())
+    budget_keys = budget * n_keys - n_always
     outs, lses, reads = [], [], []
     for start in range(0, qw.shape[0], query_block):
         block = qw[start : start + query_block]
         log_mass, shift_terms = estimate_clusters(block, clusters, counts)
         pair_query, pair_cluster = select_clusters(log_mass, counts, budget_keys)
         parts = [_visited_attention(block, clusters, pair_query, pair_cluster, is_always)]
-        if is_always.any():
-            parts.append(
-                _attend(geometry, block, clusters.keys_w[is_always], clusters.values[is_always])
-            )
+        if n_always:
+            parts.append(softmax_attend(geometry.score(block, always_keys), always_values))
         if tail:
             unvisited = log_mass.index_put(
                 (pair_query, pair_cluster), log_mass.new_tensor(-math.inf)
@@ -224,32 +227,10 @@ def tail_attention(
         outs.append(out)
         lses.append(lse)
         read = counts.new_zeros(block.shape[0]).index_add_(0, pair_query, counts[pair_cluster])
-        reads.append(read + is_always.sum())
+        reads.append(read + n_always)
     if report is not None:
         report["keys_read"] = torch.cat(reads)
     return torch.cat(outs), torch.cat(lses)
-
-
-def _attend(
-    geometry: Geometry,
-    qw: torch.Tensor,
-    kw: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact `(out, lse)` of queries over keys, `mask` (True = attend) optional; rows that see
-    no key give `(0, -inf)`."""
-    logits = geometry.score(qw, kw)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    top = logits.amax(-1, keepdim=True)
-    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(logits - shift)
-    total = weights.sum(-1)
-    seen = total > 0
-    out = (weights @ values) / torch.where(seen, total, 1).unsqueeze(-1)
-    lse = torch.where(seen, shift.squeeze(-1) + total.log(), float("-inf"))
-    return out, lse
 
 
 def _visited_attention(
@@ -310,21 +291,15 @@ def _visited_attention(
         qw[group_query.clamp_min(0)], clusters.keys_w[key_position]
     )  # (n_groups, group_size, KEY_BLOCK)
     logits = logits.masked_fill(~key_valid.unsqueeze(1), float("-inf"))
-    top = logits.amax(-1)
-    shift = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(logits - shift.unsqueeze(-1))
-    partial_out = weights @ clusters.values[key_position]  # unnormalised, relative to shift
-    partial_total = weights.sum(-1)
+    group_out, group_lse = softmax_attend(logits, clusters.values[key_position])
     # Merge the partials of each query (SPEC 7) with scatter operations.
     rows = group_query[query_valid]
-    partial_lse = torch.where(partial_total > 0, shift + partial_total.log(), float("-inf"))[
-        query_valid
-    ]
+    partial_lse = group_lse[query_valid]
     best = lse.scatter_reduce(0, rows, partial_lse, reduce="amax")
     reference = torch.where(torch.isfinite(best), best, torch.zeros_like(best))
-    scale = torch.exp(shift[query_valid] - reference[rows])
-    total = qw.new_zeros(n_queries).index_add_(0, rows, partial_total[query_valid] * scale)
-    out.index_add_(0, rows, partial_out[query_valid] * scale.unsqueeze(-1))
+    scale = torch.exp(partial_lse - reference[rows])
+    total = qw.new_zeros(n_queries).index_add_(0, rows, scale)
+    out.index_add_(0, rows, group_out[query_valid] * scale.unsqueeze(-1))
     seen = total > 0
     out = out / torch.where(seen, total, 1).unsqueeze(-1)
     lse = torch.where(seen, reference + total.log(), float("-inf"))

@@ -9,22 +9,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
+def run_benchmark(name: str, out: Path, *arguments: str) -> list[dict]:
+    """Run `benchmarks/<name>.py` with `--out out` and return its JSON records."""
     subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "dense.py"),
-            "--sizes",
-            "256",
-            "512",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *arguments, "--out", str(out)],
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=600,
     )
-    records = json.loads((tmp_path / "dense.json").read_text())
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
+    records = run_benchmark("dense", tmp_path, "--sizes", "256", "512")
     keys = {"method", "geometry", "n", "d", "seconds", "peak_rss_bytes"}
     assert all(set(r) == keys for r in records)
     methods = {(r["method"], r["geometry"]) for r in records}
@@ -41,20 +38,7 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
 
 
 def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "sparse.py"),
-            "--sizes",
-            "1024",
-            "--out",
-            str(tmp_path),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    records = json.loads((tmp_path / "sparse.json").read_text())
+    records = run_benchmark("sparse", tmp_path, "--sizes", "1024")
     keys = {
         "method",
         "dataset",
@@ -88,3 +72,21 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
     sdpa = [r for r in records if r["method"] == "sdpa"]
     assert all(r["err_median"] == 0 and r["mass_recall"] == 1 for r in sdpa)
     assert (tmp_path / "sparse.png").stat().st_size > 10_000
+
+
+def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
+    records = run_benchmark("tail", tmp_path, "--datasets", "clustered", "tree", "--n", "4096")
+    measured = {"keys_read_frac", "err_median", "err_p99", "lse_abs_err_median"}
+    common = {"dataset", "geometry", "mode", "head", "seconds"}
+    for record in records:
+        expected = common if record["mode"] == "build" else common | measured | {"budget"}
+        assert set(record) == expected
+    modes = {(r["dataset"], r["geometry"], r["mode"]) for r in records}
+    assert modes == {
+        (d, g, m)
+        for d in ("clustered", "tree")
+        for g in ("dot", "sphere", "poincare")
+        for m in ("dense", "build", "topk", "tail")
+    }
+    assert all(r["keys_read_frac"] <= r["budget"] for r in records if r["mode"] in ("topk", "tail"))
+    assert (tmp_path / "tail.png").stat().st_size > 10_000

@@ -21,21 +21,21 @@ def test_library_example_runs_and_prints_what_it_claims():
     assert len(json.loads(lines[2])) == 4  # one kappa_eff per head
 
 
-def test_sparse_example_runs():
+def run_section(heading: str) -> list[str]:
+    """Run the first Python block after `heading` with the shapes of `out` and `lse` printed
+    after it; its output lines."""
     text = README.read_text()
-    example = re.search(r"### Sparse and retrieval attention\n\n```python\n(.*?)```", text, re.S)
+    example = re.search(re.escape(heading) + r"\n.*?```python\n(.*?)```", text, re.S)
     code = example.group(1) + "\nprint(tuple(out.shape), tuple(lse.shape))\n"
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
-    assert result.stdout.strip().splitlines()[-1] == "(100, 64) (100,)"
+    return result.stdout.strip().splitlines()
+
+
+def test_sparse_example_runs():
+    assert run_section("### Sparse and retrieval attention")[-1] == "(100, 64) (100,)"
 
 
 def test_tail_example_runs():
-    text = README.read_text()
-    example = re.search(r"### Cluster-tail attention\n.*?```python\n(.*?)```", text, re.S)
-    code = example.group(1) + "\nprint(tuple(out.shape), tuple(lse.shape))\n"
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-    )
-    assert result.stdout.strip().splitlines() == ["True", "(100, 64) (100,)"]
+    assert run_section("### Cluster-tail attention") == ["True", "(100, 64) (100,)"]
