@@ -16,8 +16,8 @@ Modes, all on the same queries against the same exact reference:
 
 - `dense`: exact dense attention (`dense_attention`; PyTorch's fused kernel for the dot
   product on CPU);
-- `build`: building the clustered representation (`KeyClusters.build`, defaults: N / 256
-  clusters, covariance rank 8), once per context;
+- `build`: building the clustered representation (`KeyClusters.build`, defaults: N / 512
+  clusters, covariance rank 16), once per context;
 - `topk`: exact-only sparse attention over the clusters each query visits (`tail=False`);
 - `tail`: the same keys read exactly plus the estimate of every other cluster.
 
@@ -27,6 +27,8 @@ the faster of two runs after a warm-up).
 
     .venv/bin/python benchmarks/tail.py
     .venv/bin/python benchmarks/tail.py --datasets clustered --n 8192 --out /tmp/tail
+    .venv/bin/python benchmarks/tail.py --datasets tree --keys-per-cluster 256 --rank 8 \
+        --out /tmp/tail-256
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def timed(fn, repeats: int = 2):
     return result, best
 
 
-def run(datasets: list[str], n: int, geometries: list[str]) -> list[dict]:
+def run(datasets: list[str], n: int, geometries: list[str], cluster_options: dict) -> list[dict]:
     records = []
     for dataset in datasets:
         for head, q, k, v, native in heads(dataset, n):
@@ -105,7 +107,7 @@ def run(datasets: list[str], n: int, geometries: list[str]) -> list[dict]:
                         | {"seconds": seconds}
                     )
                     start = time.perf_counter()
-                    clusters = KeyClusters.build(g.witness(kg), v, g)
+                    clusters = KeyClusters.build(g.witness(kg), v, g, **cluster_options)
                     records.append(
                         {**base, "mode": "build", "seconds": time.perf_counter() - start}
                     )
@@ -175,9 +177,16 @@ def main() -> None:
     parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
     parser.add_argument("--n", type=int, default=131072)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--keys-per-cluster", type=int, help="default: KeyClusters.build's (512)")
+    parser.add_argument("--rank", type=int, help="default: KeyClusters.build's (16)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    records = run(args.datasets, args.n, args.geometries)
+    cluster_options = {}
+    if args.keys_per_cluster:
+        cluster_options["n_clusters"] = -(-args.n // args.keys_per_cluster)
+    if args.rank is not None:
+        cluster_options["rank"] = args.rank
+    records = run(args.datasets, args.n, args.geometries, cluster_options)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tail.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "tail.png")

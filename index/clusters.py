@@ -41,8 +41,8 @@ from rewa.attention import Geometry, Lift
 
 from .faiss_index import faiss_device
 
-DEFAULT_RANK = 8
-DEFAULT_KEYS_PER_CLUSTER = 256
+DEFAULT_RANK = 16
+DEFAULT_KEYS_PER_CLUSTER = 512
 
 
 @dataclass
@@ -125,7 +125,7 @@ class KeyClusters:
         device: str | None = None,
     ) -> KeyClusters:
         """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
-        statistics. `n_clusters` defaults to ceil(n / 256); `rank` is the covariance basis size
+        statistics. `n_clusters` defaults to ceil(n / 512); `rank` is the covariance basis size
         (capped at the feature dimension, which keeps the full covariance)."""
         if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
             raise ValueError(

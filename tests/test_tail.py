@@ -18,6 +18,7 @@ from rewa.index import (
     retrieval_attention,
     tail_attention,
 )
+from rewa.index.tail import _blocked_partials, _merge_partials, _per_cluster_partials
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
@@ -144,6 +145,38 @@ def test_window_and_sink_keys_are_read_exactly_and_not_estimated_twice():
     assert (report["keys_read"] <= 40).all() and (report["keys_read"] >= 30).all()
 
 
+@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
+def test_the_cpu_and_gpu_engines_of_the_exact_part_agree(name):
+    # The GPU path (one batched product over key blocks) is chosen on CUDA tensors only; here
+    # both engines run on the CPU on the same pairs, with window keys masked in some clusters.
+    g = build_geometry(name, 8)
+    q, k, v = _inputs(n_keys=700)
+    clusters = _clusters(k, v, g, n_clusters=9)  # clusters larger than one 128-key block
+    qw = g.witness(q)
+    generator = torch.Generator().manual_seed(1)
+    pair_query = torch.randint(0, 30, (60,), generator=generator)
+    pair_cluster = torch.randint(0, 9, (60,), generator=generator)
+    pairs = torch.stack([pair_query, pair_cluster], -1).unique(dim=0)
+    is_always = torch.zeros(700, dtype=torch.bool)
+    is_always[torch.randperm(700, generator=generator)[:50]] = True
+    with torch.no_grad():
+        results = [
+            _merge_partials(30, *engine(qw, clusters, pairs[:, 0], pairs[:, 1], is_always))
+            for engine in (_per_cluster_partials, _blocked_partials)
+        ]
+        # Reference: dense attention over each query's visited keys, minus the masked ones.
+        visited = torch.zeros(30, 700, dtype=torch.bool)
+        for query, cluster in pairs.tolist():
+            visited[query, clusters.offsets[cluster] : clusters.offsets[cluster + 1]] = True
+        logits = g.score(qw, clusters.keys_w).masked_fill(~visited | is_always, float("-inf"))
+        expected_lse = logits.logsumexp(-1)
+        expected_out = torch.softmax(logits, -1).nan_to_num() @ clusters.values
+    for out, lse in results:
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    assert not torch.isfinite(results[0][1]).all()  # some queries visit nothing: (0, -inf)
+
+
 @pytest.mark.parametrize("make_data", [clustered, tree], ids=["clustered", "tree"])
 def test_tail_beats_exact_only_sparse_attention_at_the_same_keys_read(make_data):
     data = make_data(8192)
@@ -205,7 +238,7 @@ def test_the_estimates_rank_the_true_cluster_masses():
     """The per-cluster log-mass estimates track the exact per-cluster log-sum-exp."""
     data = clustered(8192)
     g = data.geometry()
-    clusters = KeyClusters.build(g.witness(data.k), data.v, g)
+    clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=32)  # the data's 32
     queries = data.q[:32]
     with torch.no_grad():
         estimate, _ = estimate_clusters(queries, clusters)
