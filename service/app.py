@@ -1,0 +1,177 @@
+"""The FastAPI application: `create_app(settings)` wires the store, the engine, the batcher
+and the metrics, and installs the probes, the error handlers and the body-size limit. The data
+routes live in `routes.py`."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from .batcher import Batcher
+from .embedded_store import EmbeddedStore
+from .engine import Engine, resolve_device
+from .errors import ApiError, error_response, install_error_handlers
+from .metrics import Metrics
+from .redis_store import RedisStore
+from .routes import router
+from .settings import Settings
+from .store import ContextStore, StoreUnavailable
+
+PUBLIC_NAMESPACE = "public"
+
+
+def make_store(settings: Settings) -> ContextStore:
+    if settings.redis_url:
+        return RedisStore(
+            settings.redis_url,
+            prefix=settings.redis_prefix,
+            piece_bytes=settings.redis_piece_bytes,
+            upload_ttl_s=settings.upload_ttl_s,
+        )
+    return EmbeddedStore(settings.data_dir)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    store = make_store(settings)
+    device = resolve_device(settings.device)
+    engine = Engine(
+        store,
+        device=device,
+        cache_bytes=settings.cache_bytes,
+        store_indexes=settings.store_indexes,
+        metrics=metrics,
+    )
+    batcher = Batcher(
+        batching=settings.batching,
+        max_queries=settings.batch_max_queries,
+        max_wait_ms=settings.batch_max_wait_ms,
+        queue_size=settings.queue_size,
+        metrics=metrics,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await batcher.start()
+        yield
+        await batcher.stop()
+
+    app = FastAPI(
+        title="rewa",
+        summary="Long-context sparse retrieval attention over geometric witness spaces",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.store = store
+    app.state.engine = engine
+    app.state.batcher = batcher
+    app.state.metrics = metrics
+    app.state.namespaces = {
+        key: hashlib.sha256(key.encode()).hexdigest()[:16] for key in settings.api_key_list()
+    }
+    install_error_handlers(app)
+    app.include_router(router)
+    _install_probes(app, store, engine, metrics)
+    _install_request_metrics(app, metrics)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app
+
+
+def namespace_of(request: Request) -> str:
+    """The caller's namespace: one per API key (401 without a valid one), or the public
+    namespace when no keys are configured."""
+    keys = request.app.state.namespaces
+    if not keys:
+        return PUBLIC_NAMESPACE
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() not in keys:
+        raise ApiError(
+            401,
+            "expected an Authorization: Bearer <api key> header with a valid key",
+            "Authorization",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return keys[token.strip()]
+
+
+def _install_probes(app: FastAPI, store: ContextStore, engine: Engine, metrics: Metrics):
+    @app.get("/livez", tags=["probes"])
+    async def livez() -> dict:
+        """The process is up."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["probes"])
+    async def readyz() -> JSONResponse:
+        """The store is reachable and the device usable."""
+        try:
+            await asyncio.to_thread(store.ping)
+        except StoreUnavailable as error:
+            return error_response(ApiError(503, str(error)))
+        return JSONResponse({"status": "ready", "device": str(engine.device)})
+
+    @app.get("/metrics", tags=["probes"])
+    async def prometheus() -> Response:
+        """Prometheus metrics."""
+        metrics.cached_bytes.set(engine.cached_bytes())
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+
+def _install_request_metrics(app: FastAPI, metrics: Metrics) -> None:
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        elapsed = time.perf_counter() - start
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        metrics.latency.labels(path).observe(elapsed)
+        response.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.1f}"
+        return response
+
+
+class BodyLimit:
+    """413 for request bodies over `limit` bytes: at once from Content-Length, or while
+    reading a body sent without one (it is buffered up to the limit)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = ApiError(
+            413, f"the request body exceeds {self.limit} bytes (REWA_MAX_BODY_BYTES)", "body"
+        )
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.limit:
+                return await error_response(too_large)(scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, total = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            total += len(message.get("body", b""))
+            if total > self.limit:
+                return await error_response(too_large)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)

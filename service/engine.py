@@ -1,0 +1,332 @@
+"""The compute engine: loads committed contexts from the store onto the device, builds their
+indexes once per context version, keeps both in an LRU cache under a memory budget, and runs
+attention, search and self-attention. Every method here is synchronous and runs on the device
+worker thread (`batcher.Batcher`), never on the event loop.
+
+Per head of a context version the engine may hold a `KeyClusters` (tail mode; stored in the
+store when `store_indexes` is on, so other replicas load instead of rebuilding) and a search
+index of the context's kind (topk mode, search, and the ids of `return_topk`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
+from rewa.index import KeyClusters, build_index, exact_topk, retrieval_attention
+
+from .errors import ApiError
+from .store import ContextStore
+from .wire import FLOAT_DTYPES
+
+ContextKey = tuple[str, str, int]  # namespace, context id, version
+
+
+def resolve_device(setting: str) -> torch.device:
+    """`auto`: CUDA when available, else the CPU."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(setting)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"REWA_DEVICE={setting} but CUDA is not available")
+    return device
+
+
+def geometry_of(spec: dict, head_dim: int) -> Geometry:
+    """The geometry of a stored spec (`{"name", **options}`), shared by every head."""
+    options = {key: value for key, value in spec.items() if key != "name"}
+    return make_geometry(spec["name"], head_dim, **options)
+
+
+@dataclass
+class LoadedContext:
+    """One committed version of a context on the device."""
+
+    key: ContextKey
+    record: dict
+    geometry: Geometry
+    keys: torch.Tensor  # (H, N, d) float32
+    values: torch.Tensor  # (H, N, dv) float32
+    clusters: list[KeyClusters] | None = None
+    search_indexes: dict[str, list] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys.shape[1]
+
+
+@dataclass(frozen=True)
+class AttendParams:
+    """The per-call knobs of attend and self-attention, after defaults (hashable: the batch
+    key)."""
+
+    mode: str
+    k: int
+    budget: float
+    window: int
+    sinks: int
+    return_topk: int | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        store: ContextStore,
+        *,
+        device: torch.device,
+        cache_bytes: int,
+        store_indexes: bool,
+        metrics=None,
+    ) -> None:
+        self.store = store
+        self.device = device
+        self.cache_bytes = cache_bytes
+        self.store_indexes = store_indexes
+        self.metrics = metrics
+        self._cache: OrderedDict[ContextKey, LoadedContext] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- loading and caching ----------------------------------------------------------------
+
+    def context(self, namespace: str, record: dict) -> LoadedContext:
+        """The loaded context of a committed record (from the cache, or loaded now)."""
+        key = (namespace, record["id"], record["version"])
+        with self._lock:
+            loaded = self._cache.get(key)
+            if loaded is not None:
+                self._cache.move_to_end(key)
+                self._count("cache_hits")
+                return loaded
+        self._count("cache_misses")
+        loaded = self._load(namespace, record)
+        with self._lock:
+            self._cache[key] = loaded
+            self._evict()
+        return loaded
+
+    def _load(self, namespace: str, record: dict) -> LoadedContext:
+        heads, d, dv = record["heads"], record["head_dim"], record["value_dim"]
+        dtype = FLOAT_DTYPES[record["dtype"]]
+        keys, values = [], []
+        for segment in record["segments"]:
+            raw = self.store.read_chunk(namespace, record["id"], segment)
+            flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+            n = segment["tokens"]
+            keys.append(flat[: heads * n * d].view(heads, n, d))
+            values.append(flat[heads * n * d :].view(heads, n, dv))
+        if keys:
+            k = torch.cat(keys, dim=1).to(self.device, torch.float32)
+            v = torch.cat(values, dim=1).to(self.device, torch.float32)
+        else:
+            k = torch.zeros(heads, 0, d, device=self.device)
+            v = torch.zeros(heads, 0, dv, device=self.device)
+        geometry = geometry_of(record["geometry"], d).to(self.device)
+        loaded = LoadedContext(
+            key=(namespace, record["id"], record["version"]),
+            record=record,
+            geometry=geometry,
+            keys=k,
+            values=v,
+        )
+        loaded.nbytes = k.nbytes + v.nbytes
+        return loaded
+
+    def _evict(self) -> None:
+        """Drop least recently used contexts while over the budget (never the newest)."""
+        total = sum(loaded.nbytes for loaded in self._cache.values())
+        while total > self.cache_bytes and len(self._cache) > 1:
+            _, dropped = self._cache.popitem(last=False)
+            total -= dropped.nbytes
+
+    def forget(self, namespace: str, context_id: str) -> None:
+        """Drop every cached version of a context (after a delete)."""
+        with self._lock:
+            for key in [key for key in self._cache if key[:2] == (namespace, context_id)]:
+                del self._cache[key]
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(loaded.nbytes for loaded in self._cache.values())
+
+    def _count(self, name: str) -> None:
+        if self.metrics is not None:
+            self.metrics.count(name)
+
+    # -- indexes ----------------------------------------------------------------------------
+
+    def clusters(self, loaded: LoadedContext) -> list[KeyClusters]:
+        """Per-head `KeyClusters`, built once per version (or loaded from the store)."""
+        if loaded.clusters is not None:
+            return loaded.clusters
+        namespace, context_id, version = loaded.key
+        built = []
+        start = time.perf_counter()
+        for head in range(loaded.keys.shape[0]):
+            name = f"clusters-v{version}-h{head}.npz"
+            blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
+            if blob is not None:
+                built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
+                continue
+            with torch.no_grad():
+                clusters = KeyClusters.build(
+                    loaded.geometry.witness(loaded.keys[head]),
+                    loaded.values[head],
+                    loaded.geometry,
+                    device=self.device.type,
+                )
+            if self.store_indexes:
+                self.store.put_blob(namespace, context_id, name, clusters.to_bytes())
+            built.append(clusters)
+        self._observe_build("clusters", time.perf_counter() - start)
+        loaded.clusters = built
+        loaded.nbytes += sum(
+            c.keys_w.nbytes + c.values.nbytes + c.factor.nbytes + c.value_factor.nbytes
+            for c in built
+        )
+        return built
+
+    def search_index(self, loaded: LoadedContext) -> list:
+        """Per-head search indexes of the context's kind, built once per version."""
+        spec = loaded.record["index"]
+        kind = spec["kind"]
+        if kind not in loaded.search_indexes:
+            start = time.perf_counter()
+            options = dict(spec.get("options") or {})
+            with torch.no_grad():
+                loaded.search_indexes[kind] = [
+                    build_index(loaded.keys[head], loaded.geometry, kind, **options)
+                    for head in range(loaded.keys.shape[0])
+                ]
+            self._observe_build(kind, time.perf_counter() - start)
+        return loaded.search_indexes[kind]
+
+    def _observe_build(self, kind: str, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.index_build(kind, seconds)
+
+    # -- compute ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def attend(
+        self,
+        loaded: LoadedContext,
+        queries: torch.Tensor,
+        params: AttendParams,
+        *,
+        positions: torch.Tensor | None = None,
+        causal: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Attention of queries `(H, nq, d)` over the context: `out (H, nq, dv)`, `lse
+        (H, nq)`, and with `return_topk` the best `ids (H, nq, R)` and their attention
+        `weights`. `positions`/`causal` place the queries inside the context (self-attention)."""
+        q = queries.to(self.device, torch.float32)
+        if params.mode == "exact":
+            out, lse = self._exact(loaded, q, positions, causal)
+        else:
+            outs, lses = [], []
+            for head in range(q.shape[0]):
+                out, lse = self._sparse_head(loaded, q[head], head, params, positions, causal)
+                outs.append(out)
+                lses.append(lse)
+            out, lse = torch.stack(outs), torch.stack(lses)
+        result = {"out": out, "lse": lse}
+        if params.return_topk:
+            ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
+            result["ids"] = ids
+            result["weights"] = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+        return result
+
+    def _exact(self, loaded, q, positions, causal):
+        if causal and positions is not None:
+            # Keys [0, end), bottom-right aligned causal mask: query row i (at position
+            # start + i, with end - start rows) sees keys <= start + i.
+            end = int(positions[-1]) + 1
+            keys, values = loaded.keys[:, :end], loaded.values[:, :end]
+            return dense_attention(q, keys, values, loaded.geometry, causal=True)
+        return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
+
+    def _sparse_head(self, loaded, q, head, params, positions, causal):
+        k, v = loaded.keys[head], loaded.values[head]
+        if params.mode == "tail":
+            return retrieval_attention(
+                q,
+                k,
+                v,
+                loaded.geometry,
+                index=self.clusters(loaded)[head],
+                tail=True,
+                budget=params.budget,
+                window=params.window,
+                sinks=params.sinks,
+            )
+        return retrieval_attention(
+            q,
+            k,
+            v,
+            loaded.geometry,
+            top_k=params.k,
+            index=self.search_index(loaded)[head],
+            window=params.window,
+            sinks=params.sinks,
+            causal=causal,
+            positions=positions,
+        )
+
+    def _best(self, loaded, q, k, exact):
+        """The k best keys per query: `(ids (H, nq, k), logits (H, nq, k))`, `-1`/`-inf`
+        padded where an index returns fewer."""
+        ids, scores = [], []
+        for head in range(q.shape[0]):
+            qw = loaded.geometry.witness(q[head])
+            if exact:
+                top = exact_topk(q[head], loaded.keys[head], loaded.geometry, k)
+                kw = loaded.geometry.witness(loaded.keys[head][top])
+                logits = loaded.geometry.score_at(qw, kw)
+                logits, order = logits.sort(dim=-1, descending=True)
+                top = top.gather(-1, order)
+            else:
+                logits, top = self.search_index(loaded)[head].search(qw, k)
+            ids.append(top)
+            scores.append(logits)
+        return torch.stack(ids), torch.stack(scores)
+
+    @torch.no_grad()
+    def search(
+        self, loaded: LoadedContext, queries: torch.Tensor, k: int, exact: bool
+    ) -> dict[str, torch.Tensor]:
+        q = queries.to(self.device, torch.float32)
+        ids, scores = self._best(loaded, q, k, exact)
+        result = {"ids": ids, "scores": scores}
+        if isinstance(loaded.geometry, DistanceGeometry):
+            distances = []
+            for head in range(q.shape[0]):
+                qw = loaded.geometry.witness(q[head])
+                kw = loaded.geometry.witness(loaded.keys[head][ids[head].clamp_min(0)])
+                found = loaded.geometry.distance(qw.unsqueeze(-2), kw)
+                distances.append(found.masked_fill(ids[head] < 0, float("inf")))
+            result["distances"] = torch.stack(distances)
+        return result
+
+    @torch.no_grad()
+    def stateless(
+        self, geometry: Geometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+    ) -> dict[str, torch.Tensor]:
+        geometry = geometry.to(self.device)
+        out, lse = dense_attention(
+            *(t.to(self.device, torch.float32) for t in (q, k, v)), geometry, causal=causal
+        )
+        return {"out": out, "lse": lse}
+
+
+def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geometry:
+    """Build a geometry from a request's spec, turning every failure into a 400 that names
+    the field."""
+    try:
+        return geometry_of(spec, head_dim)
+    except (TypeError, ValueError) as error:
+        raise ApiError(400, f"{param}: {error}", param) from None

@@ -1,0 +1,102 @@
+"""One JSON error shape for every failure: `{"error": {"type", "message", "param"}}`.
+
+`ApiError` is raised anywhere in the service with the HTTP status, a machine-readable type, a
+message naming what was expected and what arrived, and the offending field (`param`, a dotted
+path, or null). The handlers installed by `install_error_handlers` turn it, FastAPI's request
+validation errors and Starlette's HTTP errors into that shape; anything else is a 500, which
+on client input is a bug."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger("rewa.service")
+
+STATUS_TYPES = {
+    400: "invalid_request",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "payload_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "overloaded",
+    503: "unavailable",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type or STATUS_TYPES.get(status, "error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"type": self.type, "message": self.message, "param": self.param}}
+
+
+def invalid(param: str, expected: str, got: object) -> ApiError:
+    """A 400 naming the field, what was expected and what arrived."""
+    return ApiError(400, f"{param}: expected {expected}, got {_short(got)}", param)
+
+
+def not_found(what: str, name: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"{what} {name!r} not found", param)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _validation_error(error: RequestValidationError) -> ApiError:
+    first = error.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
+    param = ".".join(location) or None
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {first.get('msg')}", "body")
+    got = first.get("input", "nothing")
+    if first.get("type") == "missing":
+        got = "nothing"
+    message = f"{param or 'body'}: {first.get('msg')}; got {_short(got)}"
+    return ApiError(422, message, param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(ApiError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(ApiError(500, f"internal error: {type(error).__name__}"))

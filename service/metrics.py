@@ -1,0 +1,73 @@
+"""Prometheus metrics of one service instance (its own registry, served at `/metrics`)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "rewa_requests", "HTTP requests", ["route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "rewa_request_seconds",
+            "HTTP request latency",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge(
+            "rewa_queue_depth", "requests queued or running on the device", registry=self.registry
+        )
+        self.batch_requests = Histogram(
+            "rewa_batch_requests",
+            "requests merged into one device call",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.batch_queries = Histogram(
+            "rewa_batch_queries",
+            "queries (heads x n) in one device call",
+            buckets=BATCH_BUCKETS,
+            registry=self.registry,
+        )
+        self.cache = Counter(
+            "rewa_cache", "context cache lookups", ["result"], registry=self.registry
+        )
+        self.cached_bytes = Gauge(
+            "rewa_cache_bytes", "bytes of loaded contexts and indexes", registry=self.registry
+        )
+        self.build_seconds = Histogram(
+            "rewa_index_build_seconds",
+            "index build time per context version",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.rejected = Counter(
+            "rewa_rejected", "requests refused with 429 (queue full)", registry=self.registry
+        )
+
+    def count(self, name: str) -> None:
+        if name == "cache_hits":
+            self.cache.labels("hit").inc()
+        elif name == "cache_misses":
+            self.cache.labels("miss").inc()
+
+    def index_build(self, kind: str, seconds: float) -> None:
+        self.build_seconds.labels(kind).observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

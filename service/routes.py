@@ -1,0 +1,460 @@
+"""The data routes: contexts, uploads, attend, search, self-attention and stateless attention.
+
+Every input is checked before anything is written: a rejected request changes nothing. Store
+calls run in threads (the Redis client blocks); compute goes through the batcher to the device
+worker."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from rewa.index import CompositeLSH, IndexSettings
+
+from . import wire
+from .batcher import Job, Overloaded, merged_payload
+from .engine import AttendParams, check_geometry
+from .errors import ApiError, invalid
+from .schemas import (
+    AttendRequest,
+    AttendResponse,
+    ChunkBody,
+    ContextCreate,
+    ContextInfo,
+    ContextList,
+    SearchRequest,
+    SearchResponse,
+    SelfAttentionRequest,
+    SelfAttentionResponse,
+    StatelessAttendRequest,
+    StatelessAttendResponse,
+    UploadInfo,
+)
+from .store import NotFound, StoreUnavailable, TooLarge, new_id
+
+router = APIRouter(prefix="/v1")
+OCTET_STREAM = "application/octet-stream"
+
+
+def _namespace(request: Request) -> str:
+    from .app import namespace_of
+
+    return namespace_of(request)
+
+
+Namespace = Depends(_namespace)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+async def _store(request: Request, method: str, *args) -> Any:
+    """Call a store method in a thread, mapping its errors to API errors."""
+    try:
+        return await asyncio.to_thread(getattr(request.app.state.store, method), *args)
+    except NotFound as error:
+        param = "context_id" if error.what == "context" else "upload_id"
+        raise ApiError(404, str(error), param) from None
+    except TooLarge as error:
+        raise ApiError(413, str(error), "tokens") from None
+    except StoreUnavailable as error:
+        raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
+
+
+async def _compute(request: Request, job: Job) -> Any:
+    try:
+        return await request.app.state.batcher.submit(job)
+    except Overloaded:
+        raise ApiError(
+            429,
+            "the device queue is full; retry after the time in Retry-After",
+            headers={"Retry-After": "1"},
+        ) from None
+    except StoreUnavailable as error:
+        raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
+    except NotFound as error:
+        raise ApiError(404, str(error), "context_id") from None
+
+
+def _info(record: dict) -> ContextInfo:
+    return ContextInfo(**{key: value for key, value in record.items() if key != "segments"})
+
+
+def _settings(request: Request):
+    return request.app.state.settings
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """Validate a JSON body read by hand, with the same errors as FastAPI's."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise ApiError(400, f"malformed JSON body: {first['msg']}", "body") from None
+        param = ".".join(str(part) for part in first["loc"]) or None
+        got = "nothing" if first["type"] == "missing" else repr(first.get("input"))[:120]
+        raise ApiError(422, f"{param or 'body'}: {first['msg']}; got {got}", param) from None
+
+
+def _check_k(param: str, k: int, n_tokens: int, max_k: int) -> None:
+    if k > max_k:
+        raise invalid(param, f"at most {max_k} (REWA_MAX_K)", k)
+    if k > n_tokens:
+        raise invalid(param, f"at most the context's {n_tokens} tokens", k)
+
+
+def _queries(payload: wire.TensorPayload, record: dict, settings, param: str = "queries"):
+    queries = wire.decode(payload, param, (record["heads"], None, record["head_dim"]))
+    if queries.numel() // record["head_dim"] > settings.max_queries_per_request:
+        raise ApiError(
+            413,
+            f"{param}: at most {settings.max_queries_per_request} heads x queries per request "
+            f"(REWA_MAX_QUERIES_PER_REQUEST), got {queries.shape[0]} x {queries.shape[1]}",
+            param,
+        )
+    return queries
+
+
+def _mode(mode: str | None, exact: bool, default: str) -> str:
+    if exact and mode not in (None, "exact"):
+        raise invalid("exact", f"false when mode is {mode!r} (exact=true means mode=exact)", True)
+    return "exact" if exact else (mode or default)
+
+
+def _params(body, record: dict, settings, mode: str, return_topk: int | None) -> AttendParams:
+    index = record["index"]
+    n_tokens = record["n_tokens"]
+    if body.k is not None:
+        _check_k("k", body.k, n_tokens, settings.max_k)
+    if return_topk is not None:
+        _check_k("return_topk", return_topk, n_tokens, settings.max_k)
+    return AttendParams(
+        mode=mode,
+        k=body.k if body.k is not None else min(index["k"], n_tokens),
+        budget=body.budget if body.budget is not None else index["budget"],
+        window=body.window if body.window is not None else index["window"],
+        sinks=body.sinks if body.sinks is not None else index["sinks"],
+        return_topk=return_topk,
+    )
+
+
+async def _committed(request: Request, namespace: str, context_id: str) -> dict:
+    record = await _store(request, "get", namespace, context_id)
+    if record["n_tokens"] == 0:
+        raise ApiError(
+            409, f"context {context_id!r} has no committed tokens yet; upload and commit first"
+        )
+    return record
+
+
+def _check_index_options(kind: str, options: dict) -> None:
+    accepted = (
+        set(inspect.signature(CompositeLSH.__init__).parameters) - {"self", "geometry"}
+        if kind == "lsh"
+        else set(IndexSettings.__dataclass_fields__) - {"kind"}
+    )
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise invalid("index.options", f"a subset of {sorted(accepted)} for {kind!r}", unknown)
+
+
+# -- contexts ---------------------------------------------------------------------------------
+
+
+@router.post("/contexts", status_code=201, response_model=ContextInfo, tags=["contexts"])
+async def create_context(body: ContextCreate, request: Request, namespace: str = Namespace):
+    """Create an empty context (no tokens, version 0)."""
+    check_geometry(body.geometry.model_dump(), body.head_dim)
+    _check_index_options(body.index.kind, body.index.options)
+    info = {
+        "id": new_id(),
+        "name": body.name,
+        "geometry": body.geometry.model_dump(),
+        "heads": body.heads,
+        "head_dim": body.head_dim,
+        "value_dim": body.value_dim or body.head_dim,
+        "dtype": body.dtype,
+        "index": body.index.model_dump(),
+    }
+    return _info(await _store(request, "create", namespace, info))
+
+
+@router.get("/contexts", response_model=ContextList, tags=["contexts"])
+async def list_contexts(request: Request, namespace: str = Namespace):
+    records = await _store(request, "list", namespace)
+    return ContextList(contexts=[_info(record) for record in records])
+
+
+@router.get("/contexts/{context_id}", response_model=ContextInfo, tags=["contexts"])
+async def get_context(context_id: str, request: Request, namespace: str = Namespace):
+    return _info(await _store(request, "get", namespace, context_id))
+
+
+@router.delete("/contexts/{context_id}", tags=["contexts"])
+async def delete_context(context_id: str, request: Request, namespace: str = Namespace):
+    await _store(request, "delete", namespace, context_id)
+    request.app.state.engine.forget(namespace, context_id)
+    return {"deleted": context_id}
+
+
+# -- uploads ----------------------------------------------------------------------------------
+
+
+async def _upload_info(request, namespace, context_id, upload_id) -> UploadInfo:
+    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+    return UploadInfo(
+        upload_id=upload_id,
+        context_id=context_id,
+        chunks=len(chunks),
+        n_tokens=sum(chunk["tokens"] for chunk in chunks),
+    )
+
+
+@router.post(
+    "/contexts/{context_id}/uploads", status_code=201, response_model=UploadInfo, tags=["uploads"]
+)
+async def begin_upload(context_id: str, request: Request, namespace: str = Namespace):
+    """Open an upload: chunks appended to it become visible together, at commit."""
+    upload_id = await _store(request, "begin_upload", namespace, context_id)
+    return UploadInfo(upload_id=upload_id, context_id=context_id, chunks=0, n_tokens=0)
+
+
+@router.get(
+    "/contexts/{context_id}/uploads/{upload_id}", response_model=UploadInfo, tags=["uploads"]
+)
+async def get_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
+    return await _upload_info(request, namespace, context_id, upload_id)
+
+
+@router.post(
+    "/contexts/{context_id}/uploads/{upload_id}/chunks",
+    response_model=UploadInfo,
+    tags=["uploads"],
+    openapi_extra={
+        "requestBody": {
+            "content": {
+                "application/json": {"schema": ChunkBody.model_json_schema()},
+                OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
+            },
+            "description": "JSON keys and values, or raw bytes: keys (heads, tokens, head_dim) "
+            "then values (heads, tokens, value_dim), in the context's dtype, with ?tokens=n",
+        }
+    },
+)
+async def add_chunk(
+    context_id: str,
+    upload_id: str,
+    request: Request,
+    tokens: int | None = None,
+    namespace: str = Namespace,
+):
+    """Append keys and values for the next tokens to an open upload."""
+    record = await _store(request, "get", namespace, context_id)
+    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+    heads, d, dv, dtype = record["heads"], record["head_dim"], record["value_dim"], record["dtype"]
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    raw = await request.body()
+    if content_type == OCTET_STREAM:
+        if tokens is None or tokens < 1:
+            raise invalid("tokens", "a query parameter tokens >= 1 with a raw body", tokens)
+        itemsize = wire.FLOAT_DTYPES[dtype].itemsize
+        split = heads * tokens * d * itemsize
+        keys = wire.from_bytes(raw[:split], dtype, (heads, tokens, d), "body (keys)")
+        values = wire.from_bytes(raw[split:], dtype, (heads, tokens, dv), "body (values)")
+        n = tokens
+    elif content_type == "application/json":
+        body = _parse(ChunkBody, raw)
+        keys = wire.decode(body.keys, "keys", (heads, None, d), (dtype,))
+        n = keys.shape[1]
+        values = wire.decode(body.values, "values", (heads, n, dv), (dtype,))
+    else:
+        raise ApiError(
+            415,
+            f"Content-Type: expected application/json or {OCTET_STREAM}, got "
+            f"{content_type or 'nothing'}",
+            "Content-Type",
+        )
+    pending = sum(chunk["tokens"] for chunk in chunks)
+    limit = _settings(request).max_tokens_per_context
+    if record["n_tokens"] + pending + n > limit:
+        raise ApiError(
+            413,
+            f"tokens: the context would hold {record['n_tokens'] + pending + n} tokens; at most "
+            f"{limit} (REWA_MAX_TOKENS_PER_CONTEXT)",
+            "tokens",
+        )
+    data = keys.contiguous().view(torch.uint8).numpy().tobytes()
+    data += values.contiguous().view(torch.uint8).numpy().tobytes()
+    chunks = await _store(request, "add_chunk", namespace, context_id, upload_id, data, n)
+    return UploadInfo(
+        upload_id=upload_id,
+        context_id=context_id,
+        chunks=len(chunks),
+        n_tokens=sum(chunk["tokens"] for chunk in chunks),
+    )
+
+
+@router.post(
+    "/contexts/{context_id}/uploads/{upload_id}/commit",
+    response_model=ContextInfo,
+    tags=["uploads"],
+)
+async def commit_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
+    """Append the upload's tokens to the context atomically (version + 1)."""
+    limit = _settings(request).max_tokens_per_context
+    record = await _store(request, "commit", namespace, context_id, upload_id, limit)
+    return _info(record)
+
+
+@router.delete("/contexts/{context_id}/uploads/{upload_id}", tags=["uploads"])
+async def abort_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
+    await _store(request, "abort", namespace, context_id, upload_id)
+    return {"aborted": upload_id}
+
+
+# -- queries ----------------------------------------------------------------------------------
+
+
+@router.post("/contexts/{context_id}/attend", response_model=AttendResponse, tags=["attention"])
+async def attend(
+    context_id: str, body: AttendRequest, request: Request, namespace: str = Namespace
+):
+    """Attention of queries `(heads, n, head_dim)` over the stored context: `out` `(heads, n,
+    value_dim)` and `lse` `(heads, n)`; `mode` exact (dense), topk (sparse over the index's
+    top K) or tail (sparse plus the cluster-tail estimate; the default)."""
+    settings = _settings(request)
+    record = await _committed(request, namespace, context_id)
+    queries = _queries(body.queries, record, settings)
+    mode = _mode(body.mode, body.exact, "tail")
+    params = _params(body, record, settings, mode, body.return_topk)
+    engine = request.app.state.engine
+
+    def run(batch: list[Job]):
+        loaded = engine.context(namespace, record)
+        return engine.attend(loaded, merged_payload(batch), params)
+
+    key = (namespace, context_id, record["version"], params)
+    result = await _compute(
+        request, Job(key=key, payload=queries, size=queries.shape[0] * queries.shape[1], run=run)
+    )
+    return AttendResponse(
+        out=wire.encode(result["out"]),
+        lse=wire.encode(result["lse"]),
+        mode=mode,
+        version=record["version"],
+        ids=wire.encode(result["ids"]) if "ids" in result else None,
+        weights=wire.encode(result["weights"]) if "weights" in result else None,
+    )
+
+
+@router.post("/contexts/{context_id}/search", response_model=SearchResponse, tags=["attention"])
+async def search(
+    context_id: str, body: SearchRequest, request: Request, namespace: str = Namespace
+):
+    """Each query's top K keys: ids, logits and (distance geometries) distances."""
+    settings = _settings(request)
+    record = await _committed(request, namespace, context_id)
+    queries = _queries(body.queries, record, settings)
+    _check_k("k", body.k, record["n_tokens"], settings.max_k)
+    engine = request.app.state.engine
+
+    def run(_):
+        return engine.search(engine.context(namespace, record), queries, body.k, body.exact)
+
+    result = await _compute(request, Job(key=None, payload=None, size=queries.numel(), run=run))
+    return SearchResponse(
+        ids=wire.encode(result["ids"]),
+        scores=wire.encode(result["scores"]),
+        distances=wire.encode(result["distances"]) if "distances" in result else None,
+        version=record["version"],
+    )
+
+
+@router.post(
+    "/contexts/{context_id}/self-attention",
+    response_model=SelfAttentionResponse,
+    tags=["attention"],
+)
+async def self_attention(
+    context_id: str, body: SelfAttentionRequest, request: Request, namespace: str = Namespace
+):
+    """Rows `[start, end)` of the stored context attend over it (long-document encoding);
+    `causal`: row i sees keys up to i."""
+    settings = _settings(request)
+    record = await _committed(request, namespace, context_id)
+    n_tokens = record["n_tokens"]
+    if body.queries is not None:
+        if body.end is not None:
+            raise invalid("end", "no end with queries (their count sets it)", body.end)
+        queries = _queries(body.queries, record, settings)
+        end = body.start + queries.shape[1]
+    else:
+        queries = None
+        end = body.end if body.end is not None else n_tokens
+    if not body.start < end <= n_tokens:
+        raise invalid("end", f"start < end <= {n_tokens} (the context's tokens)", end)
+    if end - body.start > settings.max_self_attention_rows:
+        raise ApiError(
+            413,
+            f"end: at most {settings.max_self_attention_rows} rows per request "
+            f"(REWA_MAX_SELF_ATTENTION_ROWS); page with start and end, got {end - body.start}",
+            "end",
+        )
+    mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail")
+    if mode == "tail" and body.causal:
+        raise invalid(
+            "mode", "exact or topk with causal=true (the tail estimate is not causal)", "tail"
+        )
+    params = _params(body, record, settings, mode, None)
+    engine = request.app.state.engine
+    start = body.start
+
+    def run(_):
+        loaded = engine.context(namespace, record)
+        rows = loaded.keys[:, start:end] if queries is None else queries
+        positions = torch.arange(start, end, device=loaded.keys.device)
+        return engine.attend(loaded, rows, params, positions=positions, causal=body.causal)
+
+    result = await _compute(request, Job(key=None, payload=None, size=end - start, run=run))
+    return SelfAttentionResponse(
+        out=wire.encode(result["out"]),
+        lse=wire.encode(result["lse"]),
+        mode=mode,
+        version=record["version"],
+        start=start,
+        end=end,
+    )
+
+
+@router.post("/attend", response_model=StatelessAttendResponse, tags=["attention"])
+async def stateless_attend(body: StatelessAttendRequest, request: Request, _=Namespace):
+    """Exact attention over small inline q `(heads, nq, d)`, k `(heads, nk, d)`, v `(heads, nk,
+    dv)`; nothing is stored."""
+    settings = _settings(request)
+    q = wire.decode(body.q, "q", (None, None, None))
+    heads, _, d = q.shape
+    k = wire.decode(body.k, "k", (heads, None, d))
+    v = wire.decode(body.v, "v", (heads, k.shape[1], None))
+    if k.shape[1] > settings.max_stateless_tokens:
+        raise ApiError(
+            413,
+            f"k: at most {settings.max_stateless_tokens} keys in a stateless request "
+            f"(REWA_MAX_STATELESS_TOKENS); store a context instead, got {k.shape[1]}",
+            "k",
+        )
+    if q.numel() // d > settings.max_queries_per_request:
+        raise ApiError(413, f"q: at most {settings.max_queries_per_request} heads x queries", "q")
+    geometry = check_geometry(body.geometry.model_dump(), d)
+    engine = request.app.state.engine
+
+    def run(_):
+        return engine.stateless(geometry, q, k, v, body.causal)
+
+    result = await _compute(request, Job(key=None, payload=None, size=q.numel() // d, run=run))
+    return StatelessAttendResponse(out=wire.encode(result["out"]), lse=wire.encode(result["lse"]))

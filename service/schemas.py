@@ -1,0 +1,161 @@
+"""Request and response bodies of the HTTP API (pydantic). Tensors travel as
+`wire.TensorPayload`; shapes are checked against the context in the routes."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .wire import TensorPayload
+
+Mode = Literal["exact", "topk", "tail"]
+IndexKind = Literal["ivf", "hnsw", "flat", "lsh"]
+ContextDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GeometrySpec(BaseModel):
+    """A geometry of `rewa.attention` by name with its options, e.g.
+    `{"name": "poincare", "curvature": 1.0}` (`rewa.attention.make_geometry`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class IndexSpec(Strict):
+    """How the context is searched in `topk` mode, and the defaults of every sparse mode."""
+
+    kind: IndexKind = "ivf"
+    k: int = Field(64, ge=1, le=2048, description="keys attended per query in topk mode")
+    window: int = Field(0, ge=0, description="last keys always read (tail and topk)")
+    sinks: int = Field(0, ge=0, description="first keys always read (tail and topk)")
+    budget: float = Field(0.02, gt=0, le=1, description="fraction of keys read in tail mode")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="IndexSettings fields (FAISS) or CompositeLSH arguments"
+    )
+
+
+class ContextCreate(Strict):
+    name: str | None = Field(None, max_length=200)
+    geometry: GeometrySpec
+    heads: int = Field(ge=1, le=256)
+    head_dim: int = Field(ge=1, le=4096)
+    value_dim: int | None = Field(None, ge=1, le=4096, description="default: head_dim")
+    dtype: ContextDtype = "float32"
+    index: IndexSpec = Field(default_factory=IndexSpec)
+
+
+class ContextInfo(BaseModel):
+    id: str
+    name: str | None
+    geometry: dict[str, Any]
+    heads: int
+    head_dim: int
+    value_dim: int
+    dtype: ContextDtype
+    index: IndexSpec
+    n_tokens: int
+    version: int
+    created_at: float
+    updated_at: float
+
+
+class ContextList(BaseModel):
+    contexts: list[ContextInfo]
+
+
+class UploadInfo(BaseModel):
+    upload_id: str
+    context_id: str
+    chunks: int
+    n_tokens: int
+
+
+class ChunkBody(Strict):
+    """One chunk of an upload: keys `(heads, n, head_dim)` and values `(heads, n, value_dim)`
+    in the context's dtype."""
+
+    keys: TensorPayload
+    values: TensorPayload
+
+
+class AttendRequest(Strict):
+    queries: TensorPayload = Field(description="(heads, n_queries, head_dim)")
+    mode: Mode | None = Field(None, description="default: tail")
+    exact: bool = Field(False, description="shorthand for mode=exact")
+    k: int | None = Field(None, ge=1, description="topk mode: keys attended (<= max_k)")
+    budget: float | None = Field(None, gt=0, le=1, description="tail mode: fraction read")
+    window: int | None = Field(None, ge=0)
+    sinks: int | None = Field(None, ge=0)
+    return_topk: int | None = Field(
+        None, ge=1, description="also return each query's best ids and attention weights"
+    )
+
+
+class AttendResponse(BaseModel):
+    out: TensorPayload
+    lse: TensorPayload
+    mode: Mode
+    version: int
+    ids: TensorPayload | None = None
+    weights: TensorPayload | None = None
+
+
+class SearchRequest(Strict):
+    queries: TensorPayload
+    k: int = Field(10, ge=1)
+    exact: bool = Field(False, description="exact top-K instead of the context's index")
+
+
+class SearchResponse(BaseModel):
+    ids: TensorPayload
+    scores: TensorPayload = Field(description="attention logits, higher is closer")
+    distances: TensorPayload | None = Field(None, description="distance geometries only")
+    version: int
+
+
+class SelfAttentionRequest(Strict):
+    """Rows `[start, start + n)` of the stored context attend over its keys. `queries`
+    `(heads, n, head_dim)` are those rows' query vectors; without them the stored keys of the
+    rows are the queries (shared query-key attention). `causal`: row i sees keys `<= i`."""
+
+    queries: TensorPayload | None = None
+    start: int = Field(0, ge=0)
+    end: int | None = Field(None, ge=1, description="without queries; default: the end")
+    causal: bool = False
+    mode: Mode | None = Field(None, description="default: tail, or topk when causal")
+    exact: bool = False
+    k: int | None = Field(None, ge=1)
+    budget: float | None = Field(None, gt=0, le=1)
+    window: int | None = Field(None, ge=0)
+    sinks: int | None = Field(None, ge=0)
+
+
+class SelfAttentionResponse(BaseModel):
+    out: TensorPayload
+    lse: TensorPayload
+    mode: Mode
+    version: int
+    start: int
+    end: int
+
+
+class StatelessAttendRequest(Strict):
+    geometry: GeometrySpec
+    q: TensorPayload = Field(description="(heads, n_queries, d)")
+    k: TensorPayload = Field(description="(heads, n_keys, d)")
+    v: TensorPayload = Field(description="(heads, n_keys, dv)")
+    causal: bool = False
+
+
+class StatelessAttendResponse(BaseModel):
+    out: TensorPayload
+    lse: TensorPayload

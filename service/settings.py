@@ -1,0 +1,47 @@
+"""Service settings, read from the environment (prefix `REWA_`); the README's settings table
+lists them all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MIB = 1 << 20
+
+
+class Settings(BaseSettings):
+    """Every knob of `rewa serve`. Defaults are the embedded single-process set-up."""
+
+    model_config = SettingsConfigDict(env_prefix="REWA_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Stores: embedded (in memory; persisted under data_dir when set) or Redis.
+    data_dir: Path | None = None
+    redis_url: str | None = None
+    redis_prefix: str = "rewa"
+    redis_piece_bytes: int = Field(8 * MIB, ge=1024, description="largest Redis value written")
+    upload_ttl_s: int = Field(24 * 3600, ge=1, description="uncommitted uploads expire")
+    # Auth: comma-separated Bearer keys; empty means open (one shared namespace).
+    api_keys: str = ""
+    # Compute.
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cache_bytes: int = Field(8 * 1024 * MIB, ge=0, description="LRU budget of loaded contexts")
+    store_indexes: bool = True  # keep built cluster indexes in the store for other replicas
+    batching: bool = True
+    batch_max_queries: int = Field(4096, ge=1, description="queries merged into one call")
+    batch_max_wait_ms: float = Field(2.0, ge=0)
+    queue_size: int = Field(256, ge=1, description="requests queued or running; then 429")
+    # Limits.
+    max_body_bytes: int = Field(256 * MIB, ge=1024)
+    max_tokens_per_context: int = Field(1 << 21, ge=1)
+    max_queries_per_request: int = Field(65536, ge=1, description="heads x queries")
+    max_k: int = Field(2048, ge=1, le=2048)
+    max_stateless_tokens: int = Field(16384, ge=1, description="keys of a stateless request")
+    max_self_attention_rows: int = Field(8192, ge=1, description="query rows per request")
+    drain_timeout_s: float = Field(30.0, ge=0)
+
+    def api_key_list(self) -> list[str]:
+        return [key.strip() for key in self.api_keys.split(",") if key.strip()]

@@ -1,0 +1,90 @@
+"""Tensors on the wire: `{"dtype", "shape", "data"}` with `data` the base64 of the raw
+little-endian, row-major bytes, or raw `application/octet-stream` bodies. Never pickle, never
+JSON float lists.
+
+Decoding validates everything a client can get wrong and raises `ApiError` naming the field:
+the dtype, the shape against the expected one, the byte length, malformed base64, empty
+tensors, NaN and Inf."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import sys
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .errors import invalid
+
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WIRE_DTYPES = {**FLOAT_DTYPES, "float64": torch.float64, "int64": torch.int64}
+DTYPE_NAMES = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("rewa.service.wire assumes a little-endian machine")
+
+
+class TensorPayload(BaseModel):
+    """A tensor inside JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str
+    shape: list[int]
+    data: str
+
+
+def encode(tensor: torch.Tensor) -> dict:
+    """`TensorPayload` fields for a tensor (moved to the CPU, made contiguous)."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype not in DTYPE_NAMES:
+        tensor = tensor.to(torch.float32)
+    raw = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return {
+        "dtype": DTYPE_NAMES[tensor.dtype],
+        "shape": list(tensor.shape),
+        "data": base64.b64encode(raw).decode("ascii"),
+    }
+
+
+def decode(
+    payload: TensorPayload,
+    param: str,
+    shape: tuple[int | None, ...],
+    dtypes: tuple[str, ...] = tuple(FLOAT_DTYPES),
+) -> torch.Tensor:
+    """The tensor of `payload`, checked against `shape` (None: any size >= 1) and `dtypes`."""
+    if payload.dtype not in dtypes:
+        raise invalid(f"{param}.dtype", f"one of {list(dtypes)}", payload.dtype)
+    check_shape(f"{param}.shape", payload.shape, shape)
+    try:
+        raw = base64.b64decode(payload.data, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise invalid(f"{param}.data", "base64 (RFC 4648, with padding)", str(error)) from None
+    return from_bytes(raw, payload.dtype, tuple(payload.shape), param)
+
+
+def from_bytes(raw: bytes, dtype: str, shape: tuple[int, ...], param: str) -> torch.Tensor:
+    """A tensor from raw bytes, checking the length and finiteness."""
+    torch_dtype = WIRE_DTYPES[dtype]
+    expected = math.prod(shape) * torch_dtype.itemsize
+    if len(raw) != expected:
+        raise invalid(
+            param, f"{expected} bytes for {dtype} of shape {list(shape)}", f"{len(raw)} bytes"
+        )
+    tensor = torch.frombuffer(bytearray(raw), dtype=torch_dtype).reshape(shape)
+    if torch_dtype.is_floating_point and not bool(torch.isfinite(tensor).all()):
+        raise invalid(param, "finite values", "NaN or Inf")
+    return tensor
+
+
+def check_shape(param: str, got: list[int] | tuple[int, ...], expected: tuple[int | None, ...]):
+    """Raise unless `got` matches `expected` (None entries: any size >= 1)."""
+    described = "[" + ", ".join("n" if size is None else str(size) for size in expected) + "]"
+    if len(got) != len(expected) or any(
+        size < 1 if want is None else size != want
+        for size, want in zip(got, expected, strict=False)
+    ):
+        raise invalid(param, f"shape {described} (no empty dimension)", list(got))
