@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The pinned CPU build is installed first, so no other requirement can pull a CUDA build.
 TORCH_REQUIREMENT ?= torch==2.13.0
 
-.PHONY: test lint bench clean
+.PHONY: serve test lint redis bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,15 +15,27 @@ $(VENV)/.torch-installed: | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_REQUIREMENT)"
 	touch $@
 
+$(VENV)/.serve-installed: pyproject.toml $(VENV)/.torch-installed
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.torch-installed
 	$(BIN)/pip install --quiet -e ".[dev,bench]"
 	touch $@
+
+# The service on port 8000 with the embedded store (settings: REWA_* variables, see README).
+serve: $(VENV)/.serve-installed
+	$(BIN)/rewa serve
+
+# A real Redis server at 127.0.0.1:6379 for the tests (started, or installed, if missing).
+redis:
+	sh deploy/ensure-redis.sh
 
 lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint redis
 	$(BIN)/pytest
 
 bench: $(VENV)/.dev-installed

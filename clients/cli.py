@@ -21,3 +21,7 @@ def main(argv: list[str] | None = None) -> None:
         from rewa.service.server import serve as run_server
 
         run_server()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The HTTP service against real `rewa serve` processes: the full lifecycle on the embedded
+store and on a real Redis server, results equal to the library's, auth, probes, metrics and
+the OpenAPI document."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import KeyClusters, build_index, retrieval_attention
+from tests.service_support import (
+    REDIS_URL,
+    Server,
+    attend,
+    create_context,
+    decode,
+    drop_prefix,
+    encode,
+    redis_prefix,
+    upload,
+)
+
+H, N, D = 2, 3000, 16
+
+
+@pytest.fixture(scope="module", params=["embedded", "redis"])
+def server(request, tmp_path_factory):
+    if request.param == "embedded":
+        settings = {"data_dir": tmp_path_factory.mktemp("data")}
+    else:
+        prefix = redis_prefix()
+        settings = {"redis_url": REDIS_URL, "redis_prefix": prefix, "redis_piece_bytes": 65536}
+    running = Server(**settings).start()
+    yield running
+    running.kill()
+    if request.param == "redis":
+        drop_prefix(settings["redis_prefix"])
+
+
+@pytest.fixture(scope="module")
+def data():
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(H, N, D, generator=generator)
+    values = torch.randn(H, N, D, generator=generator)
+    queries = torch.randn(H, 5, D, generator=generator)
+    return keys, values, queries
+
+
+def test_full_lifecycle_matches_the_library(server, data):
+    keys, values, queries = data
+    geometry = make_geometry("dot", D)
+    with server.client() as client:
+        context = create_context(client, name="doc", index={"kind": "ivf", "k": 32})
+        assert (context["n_tokens"], context["version"]) == (0, 0)
+        committed = upload(client, context["id"], keys, values, chunk=700, binary=False)
+        assert (committed["n_tokens"], committed["version"]) == (N, 1)
+        listed = client.get("/v1/contexts").json()["contexts"]
+        assert context["id"] in [c["id"] for c in listed]
+        assert client.get(f"/v1/contexts/{context['id']}").json()["n_tokens"] == N
+
+        # exact == dense attention; topk == retrieval attention over the same IVF index;
+        # tail (the default) == the library's cluster-tail attention.
+        out, lse, body = attend(client, context["id"], queries, mode="exact")
+        expected = dense_attention(queries, keys, values, geometry)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+        assert body["mode"] == "exact" and body["version"] == 1
+        out_exact_flag, _, _ = attend(client, context["id"], queries, exact=True)
+        torch.testing.assert_close(out_exact_flag, out)
+
+        out, lse, _ = attend(client, context["id"], queries, mode="topk")
+        out_tail, lse_tail, body = attend(client, context["id"], queries)
+        assert body["mode"] == "tail"
+        for head in range(H):
+            index = build_index(keys[head], geometry, "ivf")
+            ref = retrieval_attention(
+                queries[head], keys[head], values[head], geometry, top_k=32, index=index
+            )
+            torch.testing.assert_close(out[head], ref[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[head], ref[1], rtol=1e-5, atol=1e-5)
+            clusters = KeyClusters.build(geometry.witness(keys[head]), values[head], geometry)
+            ref = retrieval_attention(
+                queries[head], keys[head], values[head], geometry, index=clusters, tail=True
+            )
+            torch.testing.assert_close(out_tail[head], ref[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse_tail[head], ref[1], rtol=1e-5, atol=1e-5)
+
+        # return_topk: the best ids with their attention weights under exact attention.
+        _, lse, body = attend(client, context["id"], queries, mode="exact", return_topk=4)
+        ids, weights = decode(body["ids"]), decode(body["weights"])
+        logits = geometry.score(queries, keys)
+        best = logits.topk(4, dim=-1)
+        torch.testing.assert_close(ids, best.indices)
+        torch.testing.assert_close(weights, torch.exp(best.values - lse.unsqueeze(-1)))
+
+        # search: exact top K ids and logits.
+        response = client.post(
+            f"/v1/contexts/{context['id']}/search",
+            json={"queries": encode(queries), "k": 5, "exact": True},
+        )
+        assert response.status_code == 200, response.text
+        found = response.json()
+        torch.testing.assert_close(decode(found["ids"]), logits.topk(5, dim=-1).indices)
+        torch.testing.assert_close(
+            decode(found["scores"]), logits.topk(5, dim=-1).values, rtol=1e-5, atol=1e-5
+        )
+
+        # Appending a second upload makes version 2 with every token.
+        more_keys, more_values = torch.randn(H, 100, D), torch.randn(H, 100, D)
+        committed = upload(client, context["id"], more_keys, more_values)
+        assert (committed["n_tokens"], committed["version"]) == (N + 100, 2)
+        all_keys = torch.cat([keys, more_keys], dim=1)
+        all_values = torch.cat([values, more_values], dim=1)
+        out, lse, body = attend(client, context["id"], queries, mode="exact")
+        expected = dense_attention(queries, all_keys, all_values, geometry)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+        assert body["version"] == 2
+
+        # Delete: gone from get, list and attend.
+        assert client.delete(f"/v1/contexts/{context['id']}").status_code == 200
+        assert client.get(f"/v1/contexts/{context['id']}").status_code == 404
+        listed = client.get("/v1/contexts").json()["contexts"]
+        assert context["id"] not in [c["id"] for c in listed]
+        response = client.post(
+            f"/v1/contexts/{context['id']}/attend", json={"queries": encode(queries)}
+        )
+        assert response.status_code == 404
+        assert response.json()["error"]["type"] == "not_found"
+
+
+@pytest.mark.parametrize("geometry_spec", [{"name": "poincare"}, {"name": "sphere"}])
+def test_self_attention_and_search_for_distance_geometries(server, data, geometry_spec):
+    keys, values, _ = data
+    geometry = make_geometry(geometry_spec["name"], D)
+    with server.client() as client:
+        context = create_context(client, geometry=geometry_spec, index={"kind": "flat"})
+        upload(client, context["id"], keys[:, :600] * 0.1, values[:, :600])
+        k, v = keys[:, :600] * 0.1, values[:, :600]
+        # Causal exact self-attention of rows [100, 200), the stored keys as queries.
+        response = client.post(
+            f"/v1/contexts/{context['id']}/self-attention",
+            json={"start": 100, "end": 200, "causal": True, "mode": "exact"},
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        mask = torch.arange(600) <= torch.arange(100, 200).unsqueeze(-1)
+        expected = dense_attention(k[:, 100:200], k, v, geometry, mask=mask)
+        torch.testing.assert_close(decode(body["out"]), expected[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(decode(body["lse"]), expected[1], rtol=1e-4, atol=1e-5)
+        # With explicit queries, non-causal, topk over the flat index with every key: exact.
+        queries = torch.randn(H, 7, D) * 0.1
+        response = client.post(
+            f"/v1/contexts/{context['id']}/self-attention",
+            json={"queries": encode(queries), "start": 10, "mode": "topk", "k": 600},
+        )
+        assert response.status_code == 200, response.text
+        expected = dense_attention(queries, k, v, geometry)
+        torch.testing.assert_close(
+            decode(response.json()["out"]), expected[0], rtol=1e-4, atol=1e-5
+        )
+        # Search returns distances for distance geometries.
+        response = client.post(
+            f"/v1/contexts/{context['id']}/search", json={"queries": encode(queries), "k": 3}
+        )
+        found = response.json()
+        ids = decode(found["ids"])
+        distance = geometry.distance(
+            geometry.witness(queries).unsqueeze(-2),
+            geometry.witness(torch.stack([k[h][ids[h]] for h in range(H)])),
+        )
+        torch.testing.assert_close(decode(found["distances"]), distance, rtol=1e-4, atol=1e-5)
+        client.delete(f"/v1/contexts/{context['id']}")
+
+
+def test_stateless_attention_equals_dense_attention(server):
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 50, 8), torch.randn(3, 50, 6)
+    geometry = make_geometry("poincare", 8)
+    with server.client() as client:
+        response = client.post(
+            "/v1/attend",
+            json={
+                "geometry": {"name": "poincare"},
+                "q": encode(q * 0.2),
+                "k": encode(k * 0.2),
+                "v": encode(v),
+                "causal": True,
+            },
+        )
+    assert response.status_code == 200, response.text
+    expected = dense_attention(q * 0.2, k * 0.2, v, geometry, causal=True)
+    torch.testing.assert_close(decode(response.json()["out"]), expected[0], rtol=1e-5, atol=1e-5)
+
+
+def test_probes_metrics_and_docs(server):
+    with server.client() as client:
+        assert client.get("/livez").json() == {"status": "ok"}
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["device"] == "cpu"
+        metrics = client.get("/metrics").text
+        for name in ("rewa_requests_total", "rewa_queue_depth", "rewa_batch_queries"):
+            assert name in metrics
+        assert client.get("/docs").status_code == 200
+        paths = client.get("/openapi.json").json()["paths"]
+        assert "/v1/contexts/{context_id}/attend" in paths
+        assert "/v1/contexts/{context_id}/uploads/{upload_id}/chunks" in paths
+
+
+def test_api_keys_namespace_contexts():
+    server = Server(api_keys="alpha,beta").start()
+    try:
+        with server.client("alpha") as alpha, server.client("beta") as beta:
+            context = create_context(alpha)
+            assert alpha.get(f"/v1/contexts/{context['id']}").status_code == 200
+            # Another key never sees it: 404, not 403, and not in its list.
+            assert beta.get(f"/v1/contexts/{context['id']}").status_code == 404
+            assert beta.delete(f"/v1/contexts/{context['id']}").status_code == 404
+            assert beta.get("/v1/contexts").json()["contexts"] == []
+        with server.client() as anonymous, server.client("gamma") as wrong:
+            for client in (anonymous, wrong):
+                response = client.get("/v1/contexts")
+                assert response.status_code == 401
+                assert response.json()["error"]["param"] == "Authorization"
+            assert anonymous.get("/livez").status_code == 200  # probes stay open
+            assert anonymous.get("/readyz").status_code == 200
+    finally:
+        server.kill()
