@@ -80,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(router)
     _install_probes(app, store, engine, metrics)
     _install_request_metrics(app, metrics)
+    _install_content_type_check(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
 
@@ -137,6 +138,31 @@ def _install_request_metrics(app: FastAPI, metrics: Metrics) -> None:
         metrics.latency.labels(path).observe(elapsed)
         response.headers["Server-Timing"] = f"total;dur={elapsed * 1000:.1f}"
         return response
+
+
+def _install_content_type_check(app: FastAPI) -> None:
+    """415 for a request body that is not JSON (or, for upload chunks, raw bytes)."""
+
+    @app.middleware("http")
+    async def check_content_type(request: Request, call_next):
+        has_body = request.headers.get("content-length", "0") != "0" or (
+            "transfer-encoding" in request.headers
+        )
+        if request.method in ("POST", "PUT", "PATCH") and has_body:
+            content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            accepted = ["application/json"]
+            if request.url.path.endswith("/chunks"):
+                accepted.append("application/octet-stream")
+            if content_type not in accepted:
+                return error_response(
+                    ApiError(
+                        415,
+                        f"Content-Type: expected {' or '.join(accepted)}, got "
+                        f"{content_type or 'nothing'}",
+                        "Content-Type",
+                    )
+                )
+        return await call_next(request)
 
 
 class BodyLimit:

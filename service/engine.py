@@ -328,5 +328,5 @@ def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geomet
     the field."""
     try:
         return geometry_of(spec, head_dim)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RuntimeError) as error:
         raise ApiError(400, f"{param}: {error}", param) from None
