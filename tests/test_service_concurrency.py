@@ -1,0 +1,187 @@
+"""Concurrency: 32 clients at once get correct results (merged into shared device calls by the
+batcher), a full queue answers 429 with Retry-After, and the batcher's merge and split."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import httpx
+import pytest
+import torch
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import KeyClusters, tail_attention
+from rewa.service.batcher import Batcher, Job, Overloaded, merged_payload
+from tests.service_support import Server, attend, create_context, decode, encode, upload
+
+H, N, D = 2, 4000, 16
+CLIENTS = 32
+
+
+def _device_calls(metrics: str) -> int:
+    return int(float(re.search(r"^rewa_batch_requests_count (\S+)$", metrics, re.M).group(1)))
+
+
+def test_32_concurrent_clients_get_correct_results():
+    generator = torch.Generator().manual_seed(11)
+    keys, values = (
+        torch.randn(H, N, D, generator=generator),
+        torch.randn(H, N, D, generator=generator),
+    )
+    queries = torch.randn(CLIENTS, 3, H, 1, D, generator=generator)  # 3 requests per client
+    geometry = make_geometry("dot", D)
+    server = Server().start()
+    try:
+        with server.client() as client:
+            context = create_context(client)
+            upload(client, context["id"], keys, values)
+            attend(client, context["id"], queries[0, 0])  # build the clusters once
+            calls_before = _device_calls(client.get("/metrics").text)
+        results, errors = {}, []
+
+        def run_client(number):
+            try:
+                with server.client() as own:
+                    for request in range(3):
+                        mode = "exact" if request == 1 else "tail"
+                        out, lse, _ = attend(
+                            own, context["id"], queries[number, request], mode=mode
+                        )
+                        results[number, request] = (out, lse)
+            except Exception as error:  # reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=run_client, args=(n,)) for n in range(CLIENTS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        assert len(results) == CLIENTS * 3
+        clusters = [
+            KeyClusters.build(geometry.witness(keys[h]), values[h], geometry) for h in range(H)
+        ]
+        for (number, request), (out, lse) in results.items():
+            q = queries[number, request]
+            if request == 1:
+                expected = dense_attention(q, keys, values, geometry)
+            else:
+                parts = [tail_attention(q[h], clusters[h]) for h in range(H)]
+                expected = (torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+            torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+        with server.client() as client:
+            calls = _device_calls(client.get("/metrics").text) - calls_before
+        assert calls < CLIENTS * 3  # concurrent requests shared device calls
+    finally:
+        server.kill()
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    server = Server(queue_size=2, batching="false").start()
+    try:
+        with server.client() as client:
+            context = create_context(client, geometry={"name": "poincare"})
+            upload(client, context["id"], torch.randn(H, 8192, D) * 0.1, torch.randn(H, 8192, D))
+        statuses, headers = [], []
+
+        def slow_request():
+            response = httpx.post(
+                f"{server.url}/v1/contexts/{context['id']}/self-attention",
+                json={"start": 0, "end": 4096, "mode": "exact"},
+                timeout=120,
+            )
+            statuses.append(response.status_code)
+            if response.status_code == 429:
+                headers.append(response.headers.get("Retry-After"))
+                assert response.json()["error"]["type"] == "overloaded"
+
+        threads = [threading.Thread(target=slow_request) for _ in range(10)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
+        assert set(statuses) <= {200, 429}
+        assert headers and all(value == "1" for value in headers)
+        with server.client() as client:  # the queue drains and admits again
+            response = client.post(
+                f"/v1/contexts/{context['id']}/attend",
+                json={"queries": encode(torch.randn(H, 1, D) * 0.1)},
+            )
+            assert response.status_code == 200
+    finally:
+        server.kill()
+
+
+def _jobs(sizes, key="same"):
+    def run(batch):
+        merged = merged_payload(batch)
+        return {"out": merged * 2, "calls": torch.full((1, merged.shape[1]), len(batch))}
+
+    return [Job(key=key, payload=torch.full((2, n), float(i)), size=2 * n, run=run)
+            for i, n in enumerate(sizes)]  # fmt: skip
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_the_batcher_merges_same_key_jobs_and_splits_results(batching):
+    async def scenario():
+        batcher = Batcher(batching=batching, max_queries=100, max_wait_ms=5, queue_size=10)
+        await batcher.start()
+        try:
+            jobs = _jobs([1, 2, 3])
+            return jobs, await asyncio.gather(*(batcher.submit(job) for job in jobs))
+        finally:
+            await batcher.stop()
+
+    jobs, results = asyncio.run(scenario())
+    for job, result in zip(jobs, results, strict=True):
+        torch.testing.assert_close(result["out"], job.payload * 2)
+        assert int(result["calls"][0, 0]) == (3 if batching else 1)
+
+
+def test_the_batcher_caps_batches_and_refuses_when_full():
+    async def scenario():
+        batcher = Batcher(batching=True, max_queries=6, max_wait_ms=5, queue_size=3)
+        await batcher.start()
+        try:
+            jobs = _jobs([2, 2, 1])  # sizes 4, 4, 2 queries: at most 6 per call
+            pending = [asyncio.ensure_future(batcher.submit(job)) for job in jobs]
+            await asyncio.sleep(0)
+            with pytest.raises(Overloaded):
+                await batcher.submit(_jobs([1])[0])
+            return await asyncio.gather(*pending)
+        finally:
+            await batcher.stop()
+
+    first, second, third = asyncio.run(scenario())
+    # 4 + 4 > 6: the second job opens a new call, which the third (2 queries) joins.
+    assert int(first["calls"][0, 0]) == 1
+    assert int(second["calls"][0, 0]) == 2 and int(third["calls"][0, 0]) == 2
+
+
+def test_a_failing_call_fails_every_job_of_its_batch():
+    def run(_):
+        raise ValueError("boom")
+
+    async def scenario():
+        batcher = Batcher(batching=True, max_queries=100, max_wait_ms=5, queue_size=10)
+        await batcher.start()
+        try:
+            jobs = [Job(key="k", payload=torch.zeros(1, 1), size=1, run=run) for _ in range(2)]
+            return await asyncio.gather(
+                *(batcher.submit(job) for job in jobs), return_exceptions=True
+            )
+        finally:
+            await batcher.stop()
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(result, ValueError) for result in results)
+
+
+def test_decode_of_responses_round_trips_every_wire_dtype():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
+        tensor = (torch.arange(24).reshape(2, 3, 4) - 5).to(dtype)
+        assert torch.equal(decode(encode(tensor)), tensor)

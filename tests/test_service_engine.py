@@ -1,0 +1,75 @@
+"""The engine in-process: the LRU cache under its memory budget, indexes built once per
+context version and shared through the store, and the device choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rewa.service.embedded_store import EmbeddedStore
+from rewa.service.engine import AttendParams, Engine, resolve_device
+
+H, N, D = 2, 600, 8
+
+
+def _committed_record(store, name, seed):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(H, N, D, generator=generator)
+    values = torch.randn(H, N, D, generator=generator)
+    info = {
+        "id": name,
+        "name": name,
+        "geometry": {"name": "dot"},
+        "heads": H,
+        "head_dim": D,
+        "value_dim": D,
+        "dtype": "float32",
+        "index": {"kind": "flat", "k": 16, "window": 0, "sinks": 0, "budget": 0.1, "options": {}},
+    }
+    store.create("ns", info)
+    upload = store.begin_upload("ns", name)
+    store.add_chunk("ns", name, upload, keys.numpy().tobytes() + values.numpy().tobytes(), N)
+    return store.commit("ns", name, upload, 10**6)
+
+
+def test_the_cache_evicts_the_least_recently_used_context_over_budget():
+    store = EmbeddedStore()
+    first, second = _committed_record(store, "a", 1), _committed_record(store, "b", 2)
+    one_context = 2 * H * N * D * 4
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=one_context, store_indexes=False)
+    loaded = engine.context("ns", first)
+    assert engine.context("ns", first) is loaded  # a hit
+    engine.context("ns", second)
+    assert engine.cached_bytes() == one_context  # "a" was evicted
+    assert engine.context("ns", first) is not loaded  # loaded again
+
+
+def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
+    store = EmbeddedStore(tmp_path)
+    record = _committed_record(store, "a", 3)
+    params = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    queries = torch.randn(H, 4, D)
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=True)
+    result = engine.attend(engine.context("ns", record), queries, params)
+    assert store.get_blob("ns", "a", "clusters-v1-h0.npz") is not None
+    # Another replica on the same store loads the clusters instead of rebuilding them.
+    other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
+                   store_indexes=True)  # fmt: skip
+    loaded = other.context("ns", record)
+    clusters = other.clusters(loaded)
+    original = engine.clusters(engine.context("ns", record))
+    for mine, theirs in zip(clusters, original, strict=True):
+        assert torch.equal(mine.order, theirs.order)
+    again = other.attend(loaded, queries, params)
+    torch.testing.assert_close(again["out"], result["out"])
+    torch.testing.assert_close(again["lse"], result["lse"])
+
+
+def test_the_device_is_cuda_only_when_available(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")
