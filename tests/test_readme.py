@@ -39,3 +39,28 @@ def test_sparse_example_runs():
 
 def test_tail_example_runs():
     assert run_section("### Cluster-tail attention") == ["True", "(100, 64) (100,)"]
+
+
+def test_service_curl_example_runs_against_a_live_server():
+    from tests.service_support import Server, decode
+
+    text = README.read_text()
+    script = re.search(r"## Service\n.*?```bash\n(.*?)```", text, re.S).group(1)
+    server = Server().start()
+    try:
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+            env={"REWA": f"127.0.0.1:{server.port}", "PATH": "/usr/bin:/bin"},
+        )
+    finally:
+        server.kill()
+    version, response = result.stdout.strip().splitlines()
+    assert version == "1"
+    body = json.loads(response)
+    out, lse = decode(body["out"]), decode(body["lse"])
+    assert [round(x, 2) for x in out.flatten().tolist()] == [0.67, 0.33]
+    assert round(lse.item(), 3) == 1.108

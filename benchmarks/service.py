@@ -1,0 +1,235 @@
+"""The HTTP service under load: upload time of a 131072-token context (8 heads, d = 64) and
+decode-style attend requests (8 heads x 1 query) from 1, 8 and 32 concurrent clients, with
+batching on and off, sparse (`tail`, the default mode) and exact.
+
+Each configuration runs against a real `rewa serve` process (embedded store under a temporary
+REWA_DATA_DIR; the batching-off server is a second process over the same directory). Clients
+are threads of this process with one HTTP connection each, on the same 2-core machine as the
+server, so they compete with it for CPU. Every client sends a fixed number of requests after a
+warm-up; latency is per request as the client sees it. Records: `{"mode", "clients",
+"batching", "exact", "p50_ms", "p99_ms", "requests_per_s"}` plus one `{"mode": "upload",
+"seconds", "tokens", "bytes"}`, in `benchmarks/results/service.json`, and a PNG.
+
+    .venv/bin/python benchmarks/service.py
+    .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+HEADS, DIM = 8, 64
+CHUNK_TOKENS = 8192
+CLIENT_COUNTS = [1, 8, 32]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_server(data_dir: str, batching: bool) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {
+        **os.environ,
+        "REWA_PORT": str(port),
+        "REWA_DATA_DIR": data_dir,
+        "REWA_BATCHING": "true" if batching else "false",
+        "REWA_QUEUE_SIZE": "1024",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rewa.clients.cli", "serve"],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/livez", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("the server did not start")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.send_signal(signal.SIGTERM)
+    process.wait(60)
+
+
+def upload(url: str, tokens: int) -> tuple[str, float, int]:
+    """Create the context and upload random keys and values as raw chunks; `(id, seconds,
+    bytes)`."""
+    generator = torch.Generator().manual_seed(0)
+    with httpx.Client(base_url=url, timeout=600) as client:
+        context = client.post(
+            "/v1/contexts",
+            json={"geometry": {"name": "dot"}, "heads": HEADS, "head_dim": DIM},
+        ).json()
+        chunks = [
+            (
+                torch.randn(HEADS, n, DIM, generator=generator),
+                torch.randn(HEADS, n, DIM, generator=generator),
+            )
+            for n in [min(CHUNK_TOKENS, tokens - s) for s in range(0, tokens, CHUNK_TOKENS)]
+        ]
+        bodies = [k.numpy().tobytes() + v.numpy().tobytes() for k, v in chunks]
+        start = time.perf_counter()
+        upload_id = client.post(f"/v1/contexts/{context['id']}/uploads").json()["upload_id"]
+        for (k, _), body in zip(chunks, bodies, strict=True):
+            response = client.post(
+                f"/v1/contexts/{context['id']}/uploads/{upload_id}/chunks",
+                params={"tokens": k.shape[1]},
+                content=body,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            response.raise_for_status()
+        client.post(f"/v1/contexts/{context['id']}/uploads/{upload_id}/commit").raise_for_status()
+        seconds = time.perf_counter() - start
+    return context["id"], seconds, sum(len(body) for body in bodies)
+
+
+def decode_request(generator: torch.Generator) -> dict:
+    queries = torch.randn(HEADS, 1, DIM, generator=generator)
+    return {
+        "dtype": "float32",
+        "shape": [HEADS, 1, DIM],
+        "data": base64.b64encode(queries.numpy().tobytes()).decode(),
+    }
+
+
+def load(url: str, context_id: str, clients: int, requests: int, exact: bool) -> dict:
+    """Each client sends `requests` attend requests back to back; latencies and throughput."""
+    latencies: list[float] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(clients + 1)
+
+    def client_loop(number: int) -> None:
+        generator = torch.Generator().manual_seed(number)
+        bodies = [{"queries": decode_request(generator), "exact": exact} for _ in range(requests)]
+        own = []
+        with httpx.Client(base_url=url, timeout=120) as client:
+            client.get("/livez")
+            barrier.wait()
+            for body in bodies:
+                start = time.perf_counter()
+                response = client.post(f"/v1/contexts/{context_id}/attend", json=body)
+                own.append(time.perf_counter() - start)
+                if response.status_code != 200:
+                    with lock:
+                        failures.append(response.text[:200])
+        with lock:
+            latencies.extend(own)
+
+    threads = [threading.Thread(target=client_loop, args=(n,)) for n in range(clients)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed, e.g. {failures[0]}")
+    values = np.array(latencies) * 1000
+    return {
+        "p50_ms": float(np.percentile(values, 50)),
+        "p99_ms": float(np.percentile(values, 99)),
+        "requests_per_s": len(latencies) / elapsed,
+    }
+
+
+def run(tokens: int, requests: int) -> list[dict]:
+    records = []
+    with tempfile.TemporaryDirectory(prefix="rewa-bench-") as data_dir:
+        for batching in (True, False):
+            process, url = start_server(data_dir, batching)
+            try:
+                if batching:
+                    context_id, seconds, size = upload(url, tokens)
+                    records.append(
+                        {"mode": "upload", "seconds": seconds, "tokens": tokens, "bytes": size}
+                    )
+                    print(json.dumps(records[-1]), flush=True)
+                for exact in (False, True):
+                    load(url, context_id, 1, 3, exact)  # warm-up: load, build the clusters
+                    for clients in CLIENT_COUNTS:
+                        measured = load(url, context_id, clients, requests, exact)
+                        record = {
+                            "mode": "exact" if exact else "tail",
+                            "clients": clients,
+                            "batching": batching,
+                            "exact": exact,
+                            **measured,
+                        }
+                        records.append(record)
+                        print(json.dumps(record), flush=True)
+            finally:
+                stop_server(process)
+    return records
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for exact in (False, True):
+        for batching in (True, False):
+            rows = sorted(
+                (r for r in records if r.get("exact") == exact and r.get("batching") == batching),
+                key=lambda r: r["clients"],
+            )
+            label = f"{'exact' if exact else 'tail'}, batching {'on' if batching else 'off'}"
+            clients = [r["clients"] for r in rows]
+            left.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
+            right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
+    for axis, title in ((left, "throughput (requests/s)"), (right, "p99 latency (ms)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("concurrent clients")
+        axis.set_title(title)
+        axis.legend(fontsize=7)
+    right.axhline(250, color="grey", linewidth=0.8)
+    figure.suptitle("decode-style attend, 131072-token context, 8 heads x 1 query, d = 64")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=131072)
+    parser.add_argument("--requests", type=int, default=20, help="per client")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    records = run(args.tokens, args.requests)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "service.json").write_text(json.dumps(records, indent=1))
+    plot(records, args.out / "service.png")
+
+
+if __name__ == "__main__":
+    main()
