@@ -90,3 +90,18 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     }
     assert all(r["keys_read_frac"] <= r["budget"] for r in records if r["mode"] in ("topk", "tail"))
     assert (tmp_path / "tail.png").stat().st_size > 10_000
+
+
+def test_service_benchmark_writes_records_and_a_plot(tmp_path):
+    records = run_benchmark("service", tmp_path, "--tokens", "2048", "--requests", "2")
+    upload, *loads = records
+    assert upload["mode"] == "upload" and upload["tokens"] == 2048
+    assert upload["bytes"] == 2 * 8 * 2048 * 64 * 4
+    keys = {"mode", "clients", "batching", "exact", "p50_ms", "p99_ms", "requests_per_s"}
+    assert all(set(r) == keys for r in loads)
+    configurations = {(r["clients"], r["batching"], r["exact"]) for r in loads}
+    assert configurations == {
+        (c, b, e) for c in (1, 8, 32) for b in (True, False) for e in (True, False)
+    }
+    assert all(r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0 for r in loads)
+    assert (tmp_path / "service.png").stat().st_size > 10_000
