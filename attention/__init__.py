@@ -7,8 +7,10 @@ from .euclidean import Euclidean
 from .geometry import DistanceGeometry, Geometry, Lift, ScaledExpTemperature, SoftplusTemperature
 from .merge import merge_attention
 from .modules import GeometricAttention
+from .operator import Operator, path_score, path_score_low_rank
 from .poincare import PoincareBall
 from .product import AdaptiveProductGeometry, ProductGeometry
+from .random_features import RandomFeatures
 from .registry import GEOMETRIES, make_geometry
 from .sparse import sparse_attention
 from .sphere import Sphere
@@ -24,13 +26,17 @@ __all__ = [
     "Geometry",
     "KappaStereographic",
     "Lift",
+    "Operator",
     "PoincareBall",
     "ProductGeometry",
+    "RandomFeatures",
     "ScaledExpTemperature",
     "SoftplusTemperature",
     "Sphere",
     "dense_attention",
     "make_geometry",
     "merge_attention",
+    "path_score",
+    "path_score_low_rank",
     "sparse_attention",
 ]

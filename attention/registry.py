@@ -9,8 +9,10 @@ from typing import Any
 from .dot import DotProduct
 from .euclidean import Euclidean
 from .geometry import Geometry
+from .operator import Operator
 from .poincare import PoincareBall
 from .product import AdaptiveProductGeometry, ProductGeometry
+from .random_features import RandomFeatures
 from .sphere import Sphere
 from .stereographic import KappaStereographic
 
@@ -22,6 +24,8 @@ GEOMETRIES: dict[str, type[Geometry]] = {
     "kappa": KappaStereographic,
     "product": ProductGeometry,
     "adaptive_product": AdaptiveProductGeometry,
+    "random_features": RandomFeatures,
+    "operator": Operator,
 }
 
 
