@@ -5,13 +5,13 @@ routes live in `routes.py`."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from .auth import namespaces_for
 from .batcher import Batcher
 from .embedded_store import EmbeddedStore
 from .engine import Engine, resolve_device
@@ -21,8 +21,6 @@ from .redis_store import RedisStore
 from .routes import router
 from .settings import Settings
 from .store import ContextStore, StoreUnavailable
-
-PUBLIC_NAMESPACE = "public"
 
 
 def make_store(settings: Settings) -> ContextStore:
@@ -73,9 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.batcher = batcher
     app.state.metrics = metrics
-    app.state.namespaces = {
-        key: hashlib.sha256(key.encode()).hexdigest()[:16] for key in settings.api_key_list()
-    }
+    app.state.namespaces = namespaces_for(settings.api_key_list())
     install_error_handlers(app)
     app.include_router(router)
     _install_probes(app, store, engine, metrics)
@@ -83,24 +79,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _install_content_type_check(app)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app
-
-
-def namespace_of(request: Request) -> str:
-    """The caller's namespace: one per API key (401 without a valid one), or the public
-    namespace when no keys are configured."""
-    keys = request.app.state.namespaces
-    if not keys:
-        return PUBLIC_NAMESPACE
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() not in keys:
-        raise ApiError(
-            401,
-            "expected an Authorization: Bearer <api key> header with a valid key",
-            "Authorization",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    return keys[token.strip()]
 
 
 def _install_probes(app: FastAPI, store: ContextStore, engine: Engine, metrics: Metrics):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from rewa.index import CompositeLSH, IndexSettings
 
 from . import wire
+from .auth import namespace_of
 from .batcher import Job, Overloaded, merged_payload
 from .engine import AttendParams, check_geometry
 from .errors import ApiError, invalid
@@ -41,13 +42,7 @@ router = APIRouter(prefix="/v1")
 OCTET_STREAM = "application/octet-stream"
 
 
-def _namespace(request: Request) -> str:
-    from .app import namespace_of
-
-    return namespace_of(request)
-
-
-Namespace = Depends(_namespace)
+Namespace = Depends(namespace_of)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -206,8 +201,7 @@ async def delete_context(context_id: str, request: Request, namespace: str = Nam
 # -- uploads ----------------------------------------------------------------------------------
 
 
-async def _upload_info(request, namespace, context_id, upload_id) -> UploadInfo:
-    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+def _upload_info(context_id: str, upload_id: str, chunks: list[dict]) -> UploadInfo:
     return UploadInfo(
         upload_id=upload_id,
         context_id=context_id,
@@ -222,14 +216,15 @@ async def _upload_info(request, namespace, context_id, upload_id) -> UploadInfo:
 async def begin_upload(context_id: str, request: Request, namespace: str = Namespace):
     """Open an upload: chunks appended to it become visible together, at commit."""
     upload_id = await _store(request, "begin_upload", namespace, context_id)
-    return UploadInfo(upload_id=upload_id, context_id=context_id, chunks=0, n_tokens=0)
+    return _upload_info(context_id, upload_id, [])
 
 
 @router.get(
     "/contexts/{context_id}/uploads/{upload_id}", response_model=UploadInfo, tags=["uploads"]
 )
 async def get_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
-    return await _upload_info(request, namespace, context_id, upload_id)
+    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+    return _upload_info(context_id, upload_id, chunks)
 
 
 @router.post(
@@ -292,12 +287,7 @@ async def add_chunk(
     data = keys.contiguous().view(torch.uint8).numpy().tobytes()
     data += values.contiguous().view(torch.uint8).numpy().tobytes()
     chunks = await _store(request, "add_chunk", namespace, context_id, upload_id, data, n)
-    return UploadInfo(
-        upload_id=upload_id,
-        context_id=context_id,
-        chunks=len(chunks),
-        n_tokens=sum(chunk["tokens"] for chunk in chunks),
-    )
+    return _upload_info(context_id, upload_id, chunks)
 
 
 @router.post(
