@@ -19,7 +19,6 @@ import torch
 from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
 from rewa.index import KeyClusters, build_index, exact_topk, retrieval_attention
 
-from .errors import ApiError
 from .store import ContextStore
 from .wire import FLOAT_DTYPES
 
@@ -284,11 +283,9 @@ class Engine:
         for head in range(q.shape[0]):
             qw = loaded.geometry.witness(q[head])
             if exact:
-                top = exact_topk(q[head], loaded.keys[head], loaded.geometry, k)
+                top = exact_topk(q[head], loaded.keys[head], loaded.geometry, k)  # descending
                 kw = loaded.geometry.witness(loaded.keys[head][top])
                 logits = loaded.geometry.score_at(qw, kw)
-                logits, order = logits.sort(dim=-1, descending=True)
-                top = top.gather(-1, order)
             else:
                 logits, top = self.search_index(loaded)[head].search(qw, k)
             ids.append(top)
@@ -321,12 +318,3 @@ class Engine:
             *(t.to(self.device, torch.float32) for t in (q, k, v)), geometry, causal=causal
         )
         return {"out": out, "lse": lse}
-
-
-def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geometry:
-    """Build a geometry from a request's spec, turning every failure into a 400 that names
-    the field."""
-    try:
-        return geometry_of(spec, head_dim)
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise ApiError(400, f"{param}: {error}", param) from None

@@ -70,15 +70,16 @@ def _short(value: object, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _validation_error(error: RequestValidationError) -> ApiError:
-    first = error.errors()[0]
+def validation_error(errors: list[dict]) -> ApiError:
+    """The ApiError of pydantic's first validation error (FastAPI's request errors or a
+    model validated by hand): 400 for malformed JSON, else 422 naming the field, the rule and
+    what arrived."""
+    first = errors[0]
     location = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return ApiError(400, f"malformed JSON body: {first.get('msg')}", "body")
-    got = first.get("input", "nothing")
-    if first.get("type") == "missing":
-        got = "nothing"
+    got = "nothing" if first.get("type") == "missing" else first.get("input", "nothing")
     message = f"{param or 'body'}: {first.get('msg')}; got {_short(got)}"
     return ApiError(422, message, param)
 
@@ -89,8 +90,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_error(error))
+    async def request_validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:

@@ -14,13 +14,14 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ValidationError
 
+from rewa.attention import Geometry
 from rewa.index import CompositeLSH, IndexSettings
 
 from . import wire
 from .auth import namespace_of
 from .batcher import Job, Overloaded, merged_payload
-from .engine import AttendParams, check_geometry
-from .errors import ApiError, invalid
+from .engine import AttendParams, geometry_of
+from .errors import ApiError, invalid, validation_error
 from .schemas import (
     AttendRequest,
     AttendResponse,
@@ -89,12 +90,7 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
     try:
         return model.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors()[0]
-        if first["type"] == "json_invalid":
-            raise ApiError(400, f"malformed JSON body: {first['msg']}", "body") from None
-        param = ".".join(str(part) for part in first["loc"]) or None
-        got = "nothing" if first["type"] == "missing" else repr(first.get("input"))[:120]
-        raise ApiError(422, f"{param or 'body'}: {first['msg']}; got {got}", param) from None
+        raise validation_error(error.errors()) from None
 
 
 def _check_k(param: str, k: int, n_tokens: int, max_k: int) -> None:
@@ -146,6 +142,14 @@ async def _committed(request: Request, namespace: str, context_id: str) -> dict:
             409, f"context {context_id!r} has no committed tokens yet; upload and commit first"
         )
     return record
+
+
+def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geometry:
+    """The geometry of a request's spec; any failure to build it is a 400 naming the field."""
+    try:
+        return geometry_of(spec, head_dim)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ApiError(400, f"{param}: {error}", param) from None
 
 
 def _check_index_options(kind: str, options: dict) -> None:

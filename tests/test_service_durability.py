@@ -107,10 +107,15 @@ def test_redis_store_sigkill_mid_upload_keeps_the_committed_version():
         try:
             with restarted.client() as client:
                 _assert_intact(client, context["id"], keys, values, queries, version=1)
-                # Commit the half-done upload: whatever it holds is appended, or (if the chunk
-                # never arrived) nothing is; the committed version is never torn.
+                # The open upload holds the whole chunk or none of it; committing it now
+                # appends exactly that, and the new version reads back whole.
                 info = client.get(f"/v1/contexts/{context['id']}/uploads/{open_upload}").json()
                 assert info["n_tokens"] in (0, 100_000)
+                response = client.post(f"/v1/contexts/{context['id']}/uploads/{open_upload}/commit")
+                assert response.status_code == 200, response.text
+                if info["n_tokens"]:
+                    keys, values = torch.cat([keys, big], dim=1), torch.cat([values, big], dim=1)
+                _assert_intact(client, context["id"], keys, values, queries, version=2)
         finally:
             restarted.kill()
     finally:
