@@ -1,10 +1,23 @@
 """rewa.attention: geometries, exact dense attention returning `(out, lse)`, exact merging, and
 the `GeometricAttention` module. Knows nothing of indexes or the service."""
 
+from .cone import Cone, penumbral_height, umbral_height
 from .dense import dense_attention
 from .dot import DotProduct
 from .euclidean import Euclidean
 from .geometry import DistanceGeometry, Geometry, Lift, ScaledExpTemperature, SoftplusTemperature
+from .graded import (
+    Graded,
+    annealed_lambda,
+    grade_inputs,
+    grade_learning_rate_bound,
+    grade_regularizer,
+    grade_weights,
+    graded_loss,
+    graded_positional_encoding,
+    head_coordination_loss,
+    sinusoidal_encoding,
+)
 from .merge import merge_attention
 from .modules import GeometricAttention
 from .operator import Operator, path_score, path_score_low_rank
@@ -19,11 +32,13 @@ from .stereographic import KappaStereographic
 __all__ = [
     "GEOMETRIES",
     "AdaptiveProductGeometry",
+    "Cone",
     "DistanceGeometry",
     "DotProduct",
     "Euclidean",
     "GeometricAttention",
     "Geometry",
+    "Graded",
     "KappaStereographic",
     "Lift",
     "Operator",
@@ -33,10 +48,21 @@ __all__ = [
     "ScaledExpTemperature",
     "SoftplusTemperature",
     "Sphere",
+    "annealed_lambda",
     "dense_attention",
+    "grade_inputs",
+    "grade_learning_rate_bound",
+    "grade_regularizer",
+    "grade_weights",
+    "graded_loss",
+    "graded_positional_encoding",
+    "head_coordination_loss",
     "make_geometry",
     "merge_attention",
     "path_score",
     "path_score_low_rank",
+    "penumbral_height",
+    "sinusoidal_encoding",
     "sparse_attention",
+    "umbral_height",
 ]

@@ -62,7 +62,7 @@ def dense_attention(
     out, lse = _TiledAttention.apply(
         qw, kw, v.to(dtype), mask, causal, geometry, q_chunk, k_chunk, *params
     )
-    return out.to(q.dtype), lse
+    return geometry.output_map(out).to(q.dtype), lse
 
 
 def _check_inputs(

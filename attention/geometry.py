@@ -86,6 +86,11 @@ class Geometry(nn.Module):
         heads: number of heads whose parameters this geometry holds.
     """
 
+    exact_lift: bool = True
+    """False when `lift` only proposes candidates: the score is not a function of one lift
+    similarity (cone attention). Indexes then search `band_coordinate` bands, and cluster-tail
+    estimation (`similarity_logits`) is not available."""
+
     def __init__(self, dim: int, heads: int = 1) -> None:
         super().__init__()
         if dim < 1:
@@ -123,6 +128,17 @@ class Geometry(nn.Module):
         is the logit. Every logit depends on a key only through these similarities, which is
         what lets per-cluster statistics in lift space estimate unread keys (SPEC 6, tail)."""
         raise NotImplementedError
+
+    def band_coordinate(self, w: torch.Tensor) -> torch.Tensor | None:
+        """For a geometry without an exact lift: a value per witness `(..., N)` such that keys
+        with close values are ranked well by the candidate lift; None (the default) otherwise."""
+        return None
+
+    def output_map(self, out: torch.Tensor) -> torch.Tensor:
+        """A linear map applied to the attention output `(..., nq, dv)`, the same for every
+        key (graded values: `sum_j a_ij M v_j = M sum_j a_ij v_j`); the identity by default.
+        Every attention function applies it once, after merging."""
+        return out
 
     def logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Dense logits `(..., nq, nk)` from ambient queries and keys."""

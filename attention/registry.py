@@ -6,9 +6,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from .cone import Cone
 from .dot import DotProduct
 from .euclidean import Euclidean
 from .geometry import Geometry
+from .graded import Graded
 from .operator import Operator
 from .poincare import PoincareBall
 from .product import AdaptiveProductGeometry, ProductGeometry
@@ -26,6 +28,8 @@ GEOMETRIES: dict[str, type[Geometry]] = {
     "adaptive_product": AdaptiveProductGeometry,
     "random_features": RandomFeatures,
     "operator": Operator,
+    "cone": Cone,
+    "graded": Graded,
 }
 
 

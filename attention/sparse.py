@@ -68,7 +68,8 @@ def sparse_attention(
             out, lse = _attend_chunk(*args)
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    out = geometry.output_map(torch.cat(outs, dim=-2))
+    return out.to(q.dtype), torch.cat(lses, dim=-1)
 
 
 def _check_inputs(q, k, v, geometry, candidates, top_k) -> None:

@@ -2,6 +2,7 @@
 FAISS flat / IVF / HNSW), clustered contexts and cluster-tail attention, candidate sets,
 retrieval attention and its quality measures."""
 
+from .bands import BandedIndex
 from .candidates import CandidateSet, build_candidates, query_positions, window_candidates
 from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
@@ -19,6 +20,7 @@ from .retrieval import build_index, retrieval_attention, retrieval_candidates
 from .tail import estimate_clusters, tail_attention
 
 __all__ = [
+    "BandedIndex",
     "BoundaryProjectionHash",
     "CandidateSet",
     "CompositeLSH",

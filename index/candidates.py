@@ -100,8 +100,10 @@ def _compact(indices: torch.Tensor) -> CandidateSet:
 def best_candidates(
     geometry: Geometry, queries_w: torch.Tensor, keys_w: torch.Tensor, rows: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Re-score candidate rows `(nq, C)` (-1 padded) exactly and keep each query's k best:
-    `(D, I)` of shape `(nq, k)`, logits descending, `-inf` / `-1` where fewer exist."""
+    """Re-score candidate rows `(nq, C)` (-1 padded, repeats allowed: several LSH tables or
+    lifts may propose one key) exactly and keep each query's k best distinct keys: `(D, I)` of
+    shape `(nq, k)`, logits descending, `-inf` / `-1` where fewer exist."""
+    rows = _compact(rows).indices
     logits = geometry.score_at(queries_w, keys_w[rows.clamp_min(0)])
     logits = logits.masked_fill(rows < 0, float("-inf"))
     best, position = logits.topk(min(k, logits.shape[-1]), dim=-1)

@@ -132,6 +132,12 @@ class KeyClusters:
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "
                 f"{tuple(keys_w.shape)} and {tuple(values.shape)}"
             )
+        if not geometry.exact_lift:
+            raise ValueError(
+                f"cluster attention estimates logits from lift similarities, which "
+                f"{type(geometry).__name__} does not have (no exact lift); use an IVF, HNSW, "
+                f"flat or LSH index (topk) or dense attention"
+            )
         n = keys_w.shape[0]
         if n == 0:
             raise ValueError("cannot cluster an empty set of keys")

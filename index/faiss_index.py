@@ -56,6 +56,8 @@ class IndexSettings:
     ip_as_l2: index an inner-product lift in L2 on augmented vectors (IVF, HNSW); None decides
         from the keys: when the largest key norm exceeds twice the median.
     hnsw_m, ef_search: HNSW graph degree and search breadth.
+    bands: for a geometry without an exact lift (cone), how many bands of similar height are
+        indexed and searched separately (`BandedIndex`); unused otherwise.
     """
 
     kind: IndexKind = "ivf"
@@ -65,6 +67,7 @@ class IndexSettings:
     ip_as_l2: bool | None = None
     hnsw_m: int = 32
     ef_search: int = 128
+    bands: int = 8
 
 
 class LiftIndex:

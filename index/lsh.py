@@ -211,7 +211,32 @@ def _families(geometry, tables, bits, grid_hashes, grid_width, band, generator):
         if value > 0:
             return [(SimHash(dim + 1, tables, bits, generator), _sphere_lift_view(value))]
         return [(GridHash(dim, tables, grid_hashes, grid_width, generator), _identity_view)]
-    raise TypeError(f"CompositeLSH has no hash family for {type(geometry).__name__}")
+    return _lift_families(geometry, tables, bits, grid_hashes, grid_width, generator)
+
+
+def _lift_families(geometry, tables, bits, grid_hashes, grid_width, generator):
+    """Any other geometry with one lift (graded, random features, operator, and cone's
+    candidate lift): SimHash on inner-product lift vectors, E2LSH grids on L2 ones; each role
+    hashes its own lift (graded queries lift to `M q`)."""
+    if not geometry.exact_lift:
+        raise TypeError(
+            f"CompositeLSH needs an exact lift, which {type(geometry).__name__} has not (top-32 "
+            f"recall 0.30 on its candidate lift); use a 'flat', 'ivf' or 'hnsw' index, which "
+            f"searches height bands"
+        )
+    with torch.no_grad():
+        probe = geometry.witness(torch.zeros(1, geometry.dim))
+        lifts = geometry.lift(probe, "key")
+    if len(lifts) != 1:
+        raise TypeError(f"CompositeLSH has no hash family for {type(geometry).__name__}")
+    size = lifts[0].vectors.shape[-1]
+
+    def view(w: torch.Tensor, role: str) -> torch.Tensor:
+        return geometry.lift(w, role)[0].vectors
+
+    if lifts[0].metric == "ip":
+        return [(SimHash(size, tables, bits, generator), view)]
+    return [(GridHash(size, tables, grid_hashes, grid_width, generator), view)]
 
 
 def _identity_view(w: torch.Tensor, role: str) -> torch.Tensor:

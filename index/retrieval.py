@@ -13,6 +13,7 @@ import torch
 from rewa.attention import Geometry, sparse_attention
 from rewa.attention.sparse import attend_scored
 
+from .bands import BandedIndex
 from .candidates import CandidateSet, build_candidates, query_positions
 from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings
@@ -20,7 +21,7 @@ from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
 from .tail import tail_attention
 
-KeyIndex = GeometryIndex | CompositeLSH
+KeyIndex = GeometryIndex | BandedIndex | CompositeLSH
 
 
 def build_index(
@@ -37,7 +38,9 @@ def build_index(
     if method == "lsh":
         index: KeyIndex = CompositeLSH(geometry, **options)
     elif method in ("ivf", "flat", "hnsw"):
-        index = GeometryIndex(geometry, IndexSettings(kind=method, **options))
+        settings = IndexSettings(kind=method, **options)
+        exact = geometry.exact_lift
+        index = GeometryIndex(geometry, settings) if exact else BandedIndex(geometry, settings)
     else:
         raise ValueError(f"expected method 'ivf', 'flat', 'hnsw' or 'lsh', got {method!r}")
     index.add(kw)
@@ -144,10 +147,11 @@ def retrieval_attention(
         kw = geometry.witness(k) if torch.is_grad_enabled() else None
         kept = positions if causal else None
         if top_k is None:
-            return ivf_block_attention(index, qw, v, keys_w=kw, positions=kept)
+            out, lse = ivf_block_attention(index, qw, v, keys_w=kw, positions=kept)
+            return geometry.output_map(out), lse
         logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=kept)
         out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
-        return out[0], lse[0]
+        return geometry.output_map(out[0]), lse[0]
     outs, lses = [], []
     for start in range(0, q.shape[0], query_block):
         block = slice(start, start + query_block)

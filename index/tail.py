@@ -238,7 +238,7 @@ def tail_attention(
         reads.append(read + n_always)
     if report is not None:
         report["keys_read"] = torch.cat(reads)
-    return torch.cat(outs), torch.cat(lses)
+    return geometry.output_map(torch.cat(outs)), torch.cat(lses)
 
 
 def _visited_attention(
@@ -298,11 +298,11 @@ def _per_cluster_partials(
             # Every row has finite logits: four kernels instead of softmax_attend's dozen.
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             partial_lse[first : first + count] = lse.squeeze(-1)
-            torch.mm(
-                torch.exp(logits - lse),
-                clusters.values[keys],
-                out=partial_out[first : first + count],
-            )
+            weights = torch.exp(logits - lse)
+            if weights.requires_grad:  # `out=` is not differentiable
+                partial_out[first : first + count] = weights @ clusters.values[keys]
+            else:
+                torch.mm(weights, clusters.values[keys], out=partial_out[first : first + count])
         first += count
     return rows, partial_out, partial_lse
 

@@ -95,6 +95,9 @@ def test_ivf_recall_at_default_settings(clustered_data):
         ("kappa", {"kappa": 0.7}),
         ("product", {}),
         ("dot", {}),
+        ("graded", {"kind": "exponential", "grades": [0.2 * (i % 8) for i in range(64)]}),
+        ("random_features", {"sigma": 8.0}),
+        ("operator", {"m": 8}),
     ],
 )
 def test_lsh_candidates_beat_chance_for_every_geometry(name, options):
@@ -113,6 +116,17 @@ def test_lsh_candidates_beat_chance_for_every_geometry(name, options):
     chance = found.counts.float().mean().item() / 2048
     print(f"\nLSH {name} {options}: top-16 recall {recall:.3f} reading {chance:.3f} of the keys")
     assert recall > 1.5 * chance and recall > 0.3, (recall, chance)
+
+
+def test_lsh_search_returns_distinct_keys():
+    """Several tables propose the same key; a search keeps it once."""
+    data = clustered(2048)
+    g = make_geometry("dot", 64)
+    lsh = build_index(data.k, g, "lsh")
+    _, found = lsh.search(data.q[:64], 32)
+    for row in found:
+        valid = row[row >= 0]
+        assert valid.numel() == valid.unique().numel() > 16
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])

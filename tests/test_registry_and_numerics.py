@@ -15,8 +15,8 @@ def test_every_registered_geometry_builds_with_its_options(name):
 
 
 def test_registry_errors_name_what_is_accepted():
-    with pytest.raises(ValueError, match=r"unknown geometry 'cone'.*'dot'"):
-        make_geometry("cone", 8)
+    with pytest.raises(ValueError, match=r"unknown geometry 'cones'.*'dot'"):
+        make_geometry("cones", 8)
     with pytest.raises(ValueError, match=r"unknown option\(s\) \['kappa'\].*'power'"):
         make_geometry("sphere", 8, kappa=1.0)
     with pytest.raises(ValueError, match="power 1 or 2"):
