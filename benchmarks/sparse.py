@@ -41,10 +41,11 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.data import DATASETS, AttentionData
+from benchmarks.data import CLUSTERED_QUERY_SCALE, DATASETS, AttentionData, clustered
 from benchmarks.measure import measure
-from rewa.attention import DotProduct, Geometry, dense_attention
+from rewa.attention import DotProduct, Geometry, dense_attention, make_geometry
 from rewa.index import (
+    KeyClusters,
     build_index,
     dense_entropy,
     exact_topk,
@@ -195,6 +196,163 @@ def errors(error: torch.Tensor) -> dict:
     return {"err_median": round(stats["median"], 5), "err_p99": round(stats["p99"], 5)}
 
 
+# -- the seed mechanisms (issue 8) ------------------------------------------------------------
+
+MECHANISM_N = 32768
+MECHANISM_QUERIES = 4096
+MECHANISM_SAMPLE = 1024
+GRADES = [0.25 * (i % 8) for i in range(64)]  # eight grade levels, 0 to 1.75
+MECHANISMS: dict[str, tuple[dict, list[str]]] = {
+    "cone-penumbral": ({"name": "cone", "kind": "penumbral", "gamma": 4.0}, ["flat", "ivf"]),
+    "cone-umbral": ({"name": "cone", "kind": "umbral", "height_scale": 8.0}, ["flat", "ivf"]),
+    "graded-lgt-scores": (
+        {"name": "graded", "variant": "scores", "grades": GRADES},
+        ["ivf", "lsh", "tail"],
+    ),
+    "graded-egt-queries-keys": (
+        {"name": "graded", "kind": "exponential", "variant": "queries_keys", "grades": GRADES},
+        ["ivf", "lsh", "tail"],
+    ),
+    "random-features": (
+        {"name": "random_features", "features": 256, "sigma": 8.0, "tau_init": 0.05},
+        ["ivf", "lsh", "tail"],
+    ),
+    "operator": ({"name": "operator", "m": 8, "tau_init": 16.0}, ["ivf", "lsh", "tail"]),
+    "operator-low-rank": (
+        {"name": "operator", "m": 16, "rank": 4, "tau_init": 16.0},
+        ["ivf", "lsh", "tail"],
+    ),
+}
+
+
+def run_mechanisms(n: int = MECHANISM_N) -> list[dict]:
+    """Every seed mechanism on `clustered` keys and values (unscaled queries drawn from the same
+    clusters): dense exact attention and rewa's sparse attention (index build included) over the
+    same 4096 queries; recall and mass recall of the candidate sets and the output error against
+    the dense result on the first 1024."""
+    data = clustered(n)
+    queries = data.q[:MECHANISM_QUERIES] / CLUSTERED_QUERY_SCALE
+    sample = queries[:MECHANISM_SAMPLE]
+    records = []
+    for mechanism, (spec, methods) in MECHANISMS.items():
+        options = {key: value for key, value in spec.items() if key != "name"}
+        geometry = make_geometry(spec["name"], data.k.shape[1], **options)
+        with torch.no_grad():
+            (dense_out, dense_lse), seconds, peak = measure(
+                partial(dense_attention, queries, data.k, data.v, geometry)
+            )
+            exact = exact_topk(sample, data.k, geometry, K)
+            entropy = dense_entropy(sample, data.k, geometry).median().item()
+        base = {"mechanism": mechanism, "geometry": spec, "n": n, "queries": len(queries), "k": K}
+        records.append(
+            {
+                **base,
+                "method": "dense",
+                "seconds": round(seconds, 4),
+                "build_seconds": 0.0,
+                "peak_rss_bytes": peak,
+                "dense_entropy": round(entropy, 4),
+                "topk_recall": 1.0,
+                "mass_recall": 1.0,
+                "err_median": 0.0,
+                "err_p99": 0.0,
+            }
+        )
+        print(json.dumps(records[-1]), flush=True)
+        for kind in methods:
+            if kind == "tail":
+                records.append(_tail_record(base, data, queries, geometry, dense_out, entropy))
+                print(json.dumps(records[-1]), flush=True)
+                continue
+            with torch.no_grad():
+                index, build_seconds, _ = measure(partial(build_index, data.k, geometry, kind))
+                (out, _), attend_seconds, peak = measure(
+                    partial(
+                        retrieval_attention, queries, data.k, data.v, geometry, top_k=K, index=index
+                    )
+                )
+                rows = candidate_rows(index, geometry, sample)
+                mass = mass_recall(sample, data.k, geometry, rows, dense_lse[:MECHANISM_SAMPLE])
+            record = {
+                **base,
+                "method": f"rewa-{kind}",
+                "seconds": round(build_seconds + attend_seconds, 4),
+                "build_seconds": round(build_seconds, 4),
+                "peak_rss_bytes": peak,
+                "dense_entropy": round(entropy, 4),
+                "topk_recall": round(topk_recall(rows, exact).mean().item(), 4),
+                "mass_recall": round(mass.median().item(), 4),
+                **errors(output_error(out[:MECHANISM_SAMPLE], dense_out[:MECHANISM_SAMPLE])),
+            }
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    return records
+
+
+def _tail_record(base, data, queries, geometry, dense_out, entropy) -> dict:
+    """Cluster-tail attention at its defaults (2 % of the keys read exactly, the rest estimated):
+    the answer to diffuse attention, where the top K hold little of the mass. Candidate recall
+    does not apply (it reads whole clusters)."""
+
+    def build() -> KeyClusters:
+        return KeyClusters.build(geometry.witness(data.k), data.v, geometry)
+
+    with torch.no_grad():
+        clusters, build_seconds, _ = measure(build)
+        (out, _), attend_seconds, peak = measure(
+            partial(
+                retrieval_attention, queries, data.k, data.v, geometry, index=clusters, tail=True
+            )
+        )
+    return {
+        **base,
+        "method": "rewa-tail",
+        "seconds": round(build_seconds + attend_seconds, 4),
+        "build_seconds": round(build_seconds, 4),
+        "peak_rss_bytes": peak,
+        "dense_entropy": round(entropy, 4),
+        "topk_recall": None,
+        "mass_recall": None,
+        **errors(output_error(out[:MECHANISM_SAMPLE], dense_out[:MECHANISM_SAMPLE])),
+    }
+
+
+def plot_mechanisms(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mechanisms = list(dict.fromkeys(r["mechanism"] for r in records))
+    methods = sorted({r["method"] for r in records} - {"dense"})
+    fig, axes = plt.subplots(1, 3, figsize=(20, 5.5))
+    width = 0.8 / len(methods)
+    for slot, method in enumerate(methods):
+        x = np.arange(len(mechanisms)) + (slot - (len(methods) - 1) / 2) * width
+        recall, error, speedup = [], [], []
+        for mechanism in mechanisms:
+            rows = {r["method"]: r for r in records if r["mechanism"] == mechanism}
+            found = rows.get(method)
+            recall.append(found["topk_recall"] or 0 if found else 0)
+            error.append(found["err_median"] if found else 0)
+            speedup.append(rows["dense"]["seconds"] / found["seconds"] if found else 0)
+        for ax, values in zip(axes, (recall, error, speedup), strict=True):
+            ax.bar(x, values, width, label=method)
+    titles = (
+        f"top-{K} recall of the candidates (tail: n/a)",
+        "median relative output error vs dense",
+        "dense seconds / rewa seconds (index build included)",
+    )
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xticks(np.arange(len(mechanisms)), mechanisms, rotation=20, fontsize=8)
+        ax.set_title(f"{title}\nN = {records[0]['n']}, {records[0]['queries']} queries", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[2].axhline(1.0, color="black", linewidth=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(records: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -239,15 +397,31 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument(
+        "--part",
+        choices=["all", "baselines", "mechanisms"],
+        default="all",
+        help="baselines (sparse.json) and/or the seed mechanisms at N = 32768 "
+        "(sparse_mechanisms.json)",
+    )
+    parser.add_argument("--mechanism-size", type=int, default=MECHANISM_N)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.replot:
         plot(json.loads((args.out / "sparse.json").read_text()), args.out / "sparse.png")
+        mechanisms = json.loads((args.out / "sparse_mechanisms.json").read_text())
+        plot_mechanisms(mechanisms, args.out / "sparse_mechanisms.png")
         return
-    records = run(args.sizes, args.datasets, args.methods)
-    (args.out / "sparse.json").write_text(json.dumps(records, indent=1) + "\n")
-    plot(records, args.out / "sparse.png")
-    print(f"wrote {args.out / 'sparse.json'} and {args.out / 'sparse.png'}")
+    if args.part in ("all", "baselines"):
+        records = run(args.sizes, args.datasets, args.methods)
+        (args.out / "sparse.json").write_text(json.dumps(records, indent=1) + "\n")
+        plot(records, args.out / "sparse.png")
+        print(f"wrote {args.out / 'sparse.json'} and {args.out / 'sparse.png'}")
+    if args.part in ("all", "mechanisms"):
+        records = run_mechanisms(args.mechanism_size)
+        (args.out / "sparse_mechanisms.json").write_text(json.dumps(records, indent=1) + "\n")
+        plot_mechanisms(records, args.out / "sparse_mechanisms.png")
+        print(f"wrote {args.out / 'sparse_mechanisms.json'} and sparse_mechanisms.png")
     print("reproduce: .venv/bin/python benchmarks/sparse.py " + " ".join(sys.argv[1:]))
 
 

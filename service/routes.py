@@ -14,7 +14,7 @@ import torch
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ValidationError
 
-from rewa.attention import Geometry
+from rewa.attention import GEOMETRIES, Geometry
 from rewa.index import CompositeLSH, IndexSettings
 
 from . import wire
@@ -112,10 +112,25 @@ def _queries(payload: wire.TensorPayload, record: dict, settings, param: str = "
     return queries
 
 
-def _mode(mode: str | None, exact: bool, default: str) -> str:
+def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
+    """The requested mode; without one, `default` (tail) where the context's geometry has an
+    exact lift, else topk (cone attention has no cluster-tail estimate)."""
     if exact and mode not in (None, "exact"):
         raise invalid("exact", f"false when mode is {mode!r} (exact=true means mode=exact)", True)
-    return "exact" if exact else (mode or default)
+    estimable = GEOMETRIES[record["geometry"]["name"]].exact_lift
+    if mode == "tail" and not estimable:
+        name = record["geometry"]["name"]
+        raise invalid(
+            "mode",
+            f"exact or topk for geometry {name!r} (it has no exact lift, hence no cluster-tail "
+            f"estimate)",
+            mode,
+        )
+    if exact:
+        return "exact"
+    if mode is None and default == "tail" and not estimable:
+        return "topk"
+    return mode or default
 
 
 def _params(body, record: dict, settings, mode: str, return_topk: int | None) -> AttendParams:
@@ -152,6 +167,25 @@ def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geomet
         raise ApiError(400, f"{param}: {error}", param) from None
 
 
+def check_value_dim(geometry: Geometry, value_dim: int, param: str) -> None:
+    """A 400 where the geometry maps outputs and needs a particular value dim (graded values:
+    value_dim = head_dim)."""
+    try:
+        geometry.output_map(torch.zeros(1, value_dim))
+    except ValueError as error:
+        raise ApiError(400, f"{param}: {error}", param) from None
+
+
+def _check_index_kind(geometry: Geometry, kind: str) -> None:
+    if kind == "lsh" and not geometry.exact_lift:
+        raise invalid(
+            "index.kind",
+            f"flat, ivf or hnsw for {type(geometry).__name__} (no exact lift to hash; FAISS "
+            f"indexes search height bands)",
+            kind,
+        )
+
+
 def _check_index_options(kind: str, options: dict) -> None:
     accepted = (
         set(inspect.signature(CompositeLSH.__init__).parameters) - {"self", "geometry"}
@@ -169,7 +203,9 @@ def _check_index_options(kind: str, options: dict) -> None:
 @router.post("/contexts", status_code=201, response_model=ContextInfo, tags=["contexts"])
 async def create_context(body: ContextCreate, request: Request, namespace: str = Namespace):
     """Create an empty context (no tokens, version 0)."""
-    check_geometry(body.geometry.model_dump(), body.head_dim)
+    geometry = check_geometry(body.geometry.model_dump(), body.head_dim)
+    check_value_dim(geometry, body.value_dim or body.head_dim, "value_dim")
+    _check_index_kind(geometry, body.index.kind)
     _check_index_options(body.index.kind, body.index.options)
     info = {
         "id": new_id(),
@@ -325,7 +361,7 @@ async def attend(
     settings = _settings(request)
     record = await _committed(request, namespace, context_id)
     queries = _queries(body.queries, record, settings)
-    mode = _mode(body.mode, body.exact, "tail")
+    mode = _mode(body.mode, body.exact, "tail", record)
     params = _params(body, record, settings, mode, body.return_topk)
     engine = request.app.state.engine
 
@@ -400,7 +436,7 @@ async def self_attention(
             f"(REWA_MAX_SELF_ATTENTION_ROWS); page with start and end, got {end - body.start}",
             "end",
         )
-    mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail")
+    mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail", record)
     if mode == "tail" and body.causal:
         raise invalid(
             "mode", "exact or topk with causal=true (the tail estimate is not causal)", "tail"
@@ -445,6 +481,7 @@ async def stateless_attend(body: StatelessAttendRequest, request: Request, _=Nam
     if q.numel() // d > settings.max_queries_per_request:
         raise ApiError(413, f"q: at most {settings.max_queries_per_request} heads x queries", "q")
     geometry = check_geometry(body.geometry.model_dump(), d)
+    check_value_dim(geometry, v.shape[-1], "v")
     engine = request.app.state.engine
 
     def run(_):

@@ -38,7 +38,7 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
 
 
 def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
-    records = run_benchmark("sparse", tmp_path, "--sizes", "1024")
+    records = run_benchmark("sparse", tmp_path, "--sizes", "1024", "--mechanism-size", "1024")
     keys = {
         "method",
         "dataset",
@@ -72,6 +72,20 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
     sdpa = [r for r in records if r["method"] == "sdpa"]
     assert all(r["err_median"] == 0 and r["mass_recall"] == 1 for r in sdpa)
     assert (tmp_path / "sparse.png").stat().st_size > 10_000
+    mechanisms = json.loads((tmp_path / "sparse_mechanisms.json").read_text())
+    assert {r["mechanism"] for r in mechanisms} == {
+        "cone-penumbral",
+        "cone-umbral",
+        "graded-lgt-scores",
+        "graded-egt-queries-keys",
+        "random-features",
+        "operator",
+        "operator-low-rank",
+    }
+    for record in mechanisms:
+        assert record["n"] == 1024 and 0 <= record["topk_recall"] <= 1
+        assert record["seconds"] > 0 and record["err_median"] >= 0
+    assert (tmp_path / "sparse_mechanisms.png").stat().st_size > 10_000
 
 
 def test_tail_benchmark_writes_records_and_a_plot(tmp_path):

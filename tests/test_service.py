@@ -173,6 +173,69 @@ def test_self_attention_and_search_for_distance_geometries(server, data, geometr
         client.delete(f"/v1/contexts/{context['id']}")
 
 
+@pytest.mark.parametrize(
+    "geometry_spec",
+    [
+        {"name": "cone", "kind": "penumbral", "r": 1.5, "gamma": 2.0},
+        {"name": "cone", "kind": "umbral", "height_scale": 4.0},
+        {"name": "graded", "kind": "exponential", "variant": "values", "grades": 0.5},
+        {"name": "random_features", "features": 64, "sigma": 4.0},
+        {"name": "operator", "m": 4, "rank": 2},
+    ],
+)
+def test_seed_mechanisms_through_the_service(server, data, geometry_spec):
+    """Cone, graded, random-feature and operator contexts: exact and topk (every key) equal the
+    library; cone defaults to topk and refuses tail and LSH; graded values need value_dim = d."""
+    keys, values, queries = data
+    k, v = keys[:, :400], values[:, :400, :D]
+    options = {key: value for key, value in geometry_spec.items() if key != "name"}
+    geometry = make_geometry(geometry_spec["name"], D, **options)
+    expected = dense_attention(queries, k, v, geometry)
+    cone = geometry_spec["name"] == "cone"
+    with server.client() as client:
+        context = create_context(
+            client, geometry=geometry_spec, value_dim=D, index={"kind": "flat", "k": 400}
+        )
+        upload(client, context["id"], k, v)
+        url = f"/v1/contexts/{context['id']}/attend"
+        for request in ({"mode": "exact"}, {"mode": "topk"}, {}):
+            response = client.post(url, json={"queries": encode(queries), **request})
+            assert response.status_code == 200, response.text
+            body = response.json()
+            if not request:  # the default mode: tail, or topk where there is no estimate
+                assert body["mode"] == ("topk" if cone else "tail")
+                if not cone:
+                    continue
+            torch.testing.assert_close(decode(body["out"]), expected[0], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(decode(body["lse"]), expected[1], rtol=1e-4, atol=1e-4)
+        if cone:
+            response = client.post(url, json={"queries": encode(queries), "mode": "tail"})
+            assert response.status_code == 400
+            assert response.json()["error"]["param"] == "mode"
+            response = client.post(
+                "/v1/contexts",
+                json={
+                    "geometry": geometry_spec,
+                    "heads": H,
+                    "head_dim": D,
+                    "index": {"kind": "lsh"},
+                },
+            )
+            assert response.status_code == 400
+            assert response.json()["error"]["param"] == "index.kind"
+        client.delete(f"/v1/contexts/{context['id']}")
+        if geometry_spec.get("variant") == "values":
+            response = client.post(
+                "/v1/contexts",
+                json={"geometry": geometry_spec, "heads": H, "head_dim": D, "value_dim": 3},
+            )
+            assert response.status_code == 400 and "value dim" in response.text
+            small = {"q": encode(queries[:, :2]), "k": encode(k[:, :5]), "v": encode(v[:, :5, :3])}
+            response = client.post("/v1/attend", json={"geometry": geometry_spec, **small})
+            assert response.status_code == 400
+            assert response.json()["error"]["param"] == "v"
+
+
 def test_stateless_attention_equals_dense_attention(server):
     q, k, v = torch.randn(3, 4, 8), torch.randn(3, 50, 8), torch.randn(3, 50, 6)
     geometry = make_geometry("poincare", 8)
