@@ -13,7 +13,7 @@ import torch
 from .allocator import retain_freed_memory
 from .dot import DotProduct
 from .geometry import Geometry, check_attention_inputs
-from .numerics import compute_dtype
+from .numerics import compute_dtype, exp_of_shifted_
 
 DEFAULT_Q_CHUNK = 512
 DEFAULT_K_CHUNK = 4096
@@ -164,6 +164,7 @@ def _tiled_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n_queries, n_keys = qw.shape[-2], kw.shape[-2]
     offset = n_keys - n_queries
+    masked = mask is not None or causal
     batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
     out = qw.new_zeros(*batch, n_queries, v.shape[-1])
     lse = qw.new_full((*batch, n_queries), float("-inf"))
@@ -179,7 +180,7 @@ def _tiled_forward(
             logits = _mask_tile(logits, mask, causal, rows, cols, offset)
             new_max = torch.maximum(running_max, logits.amax(-1))
             shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            weights = logits.sub_(shift.unsqueeze(-1)).exp_()
+            weights = exp_of_shifted_(logits.sub_(shift.unsqueeze(-1)), masked)
             rescale = torch.exp(running_max - shift)
             total = total * rescale + weights.sum(-1)
             acc = acc * rescale.unsqueeze(-1) + weights @ v[..., cols, :]
@@ -229,7 +230,8 @@ class _TiledAttention(torch.autograd.Function):
                 with torch.enable_grad():
                     logits = ctx.geometry.score(q_tile, k_tile)
                 masked = _mask_tile(logits.detach(), ctx.mask, ctx.causal, rows, cols, offset)
-                probs = torch.exp(masked - finite_lse[..., rows].unsqueeze(-1))
+                may_be_masked = ctx.mask is not None or ctx.causal
+                probs = exp_of_shifted_(masked - finite_lse[..., rows].unsqueeze(-1), may_be_masked)
                 g_out = grad_out[..., rows, :]
                 if need_v:
                     grad_v[..., cols, :] += (probs.transpose(-1, -2) @ g_out).sum_to_size(

@@ -36,6 +36,22 @@ def artanh_eps(dtype: torch.dtype) -> float:
     return _ARTANH_EPS[compute_dtype(dtype)]
 
 
+_EXP_FLOOR = {torch.float64: -690.0, torch.float32: -64.0}
+
+
+def exp_of_shifted_(shifted: torch.Tensor, may_be_masked: bool) -> torch.Tensor:
+    """`exp` in place of logits already shifted by their row maximum (so <= 0), floored first at
+    -64 (float32; -690 in float64): exp's underflow path (results below 1e-38) runs 8-12x slower
+    on CPU, and so do products with subnormal weights, which made dense attention over sharply
+    peaked rows up to 15x slower (torch.exp on (4096, 8192) inputs in [-110, -100]: 595 ms, in
+    [-60, -50]: 48 ms). A floored term weighs at most 1.6e-28 against the row maximum's 1, far
+    below float32 resolution for any number of keys. Masked entries (-inf) stay exactly 0 when
+    `may_be_masked`."""
+    blocked = torch.isneginf(shifted) if may_be_masked else None
+    shifted.clamp_min_(_EXP_FLOOR[compute_dtype(shifted.dtype)]).exp_()
+    return shifted if blocked is None else shifted.masked_fill_(blocked, 0.0)
+
+
 def safe_sqrt(x: torch.Tensor) -> torch.Tensor:
     """sqrt(max(x, tiny)): the value of sqrt for x >= 0, a zero gradient at and below 0."""
     return x.clamp_min(tiny(x.dtype)).sqrt()

@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from rewa.attention import GEOMETRIES, make_geometry
+from rewa.attention import GEOMETRIES, dense_attention, make_geometry
 from rewa.attention.allocator import retain_freed_memory
-from rewa.attention.numerics import acosh1p, inverse_softplus
+from rewa.attention.numerics import acosh1p, exp_of_shifted_, inverse_softplus
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -44,3 +44,20 @@ def test_inverse_softplus():
 
 def test_allocator_tuning_applies_on_glibc():
     assert retain_freed_memory() is True
+
+
+def test_exp_of_shifted_floors_underflow_and_keeps_masked_entries_zero():
+    shifted = torch.tensor([0.0, -10.0, -100.0, float("-inf")])
+    weights = exp_of_shifted_(shifted.clone(), may_be_masked=True)
+    assert weights[0] == 1 and weights[3] == 0
+    assert weights[1].item() == pytest.approx(math.exp(-10), rel=1e-6)
+    assert 0 < weights[2].item() <= math.exp(-64) * 1.0001  # floored, never subnormal
+    # Sharply peaked rows (logit gaps of hundreds) still give the exact softmax.
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 8, generator=generator) for _ in range(3))
+    sharp = make_geometry("dot", 8, scale=40.0)
+    out, lse = dense_attention(q, k, v, sharp, causal=True, k_chunk=4)
+    logits = (q.double() @ k.double().transpose(-1, -2)) * 40.0
+    logits = logits.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1).float())
+    torch.testing.assert_close(out, (torch.softmax(logits, -1) @ v.double()).float())
