@@ -399,3 +399,11 @@ def test_lambda_annealing_drives_the_geometry():
     for options in ({"kind": "cubic"}, {"variant": "keys"}, {"lam": 0.9}, {"grades": [1.0, 2.0]}):
         with pytest.raises(ValueError):
             make_geometry("graded", 4, **options)
+
+
+@pytest.mark.parametrize("kind", ["penumbral", "umbral"])
+def test_cone_attention_module_trains_gamma(kind):
+    module = GeometricAttention(16, 2, "cone", geometry_options={"kind": kind, "r": [1.0, 2.0]})
+    module(torch.randn(2, 9, 16)).square().sum().backward()
+    gamma = module.geometry.log_gamma
+    assert gamma.shape == (2,) and gamma.grad is not None and torch.isfinite(gamma.grad).all()
