@@ -221,6 +221,7 @@ class _TiledAttention(torch.autograd.Function):
         offset = n_keys - n_queries
         finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         delta = (grad_out * out).sum(-1) - grad_lse
+        may_be_masked = ctx.mask is not None or ctx.causal
         for q_start in range(0, n_queries, ctx.q_chunk):
             rows = slice(q_start, min(q_start + ctx.q_chunk, n_queries))
             for k_start in range(0, _key_limit(ctx.causal, rows.stop, n_keys, offset), ctx.k_chunk):
@@ -230,7 +231,6 @@ class _TiledAttention(torch.autograd.Function):
                 with torch.enable_grad():
                     logits = ctx.geometry.score(q_tile, k_tile)
                 masked = _mask_tile(logits.detach(), ctx.mask, ctx.causal, rows, cols, offset)
-                may_be_masked = ctx.mask is not None or ctx.causal
                 probs = exp_of_shifted_(masked - finite_lse[..., rows].unsqueeze(-1), may_be_masked)
                 g_out = grad_out[..., rows, :]
                 if need_v:

@@ -110,22 +110,19 @@ class Graded(Geometry):
         """Weights shaped to multiply `(..., H, N, d)` (per head) or `(..., N, d)` (shared)."""
         return weights[0] if weights.shape[0] == 1 else weights.unsqueeze(-2)
 
-    def query_weights(self) -> torch.Tensor:
-        """The diagonal applied to queries in the logit: `M`, `M^2` or 1 (broadcastable)."""
-        weights = self._broadcast(self.weights())
-        if self.variant == "scores":
-            return weights
+    def graded_queries(self, qw: torch.Tensor) -> torch.Tensor:
+        """Queries as the logit sees them against raw keys: `M q` (scores), `M^2 q`
+        (queries_keys, multi_head) or `q` (values)."""
         if self.variant == "values":
-            return torch.ones_like(weights)
-        return weights.square()
+            return qw
+        weights = self._broadcast(self.weights()).to(qw.dtype)
+        return qw * (weights if self.variant == "scores" else weights.square())
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        graded = qw * self.query_weights().to(qw.dtype)
-        return (graded @ kw.transpose(-1, -2)) * self.scale
+        return (self.graded_queries(qw) @ kw.transpose(-1, -2)) * self.scale
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
-        graded = qw * self.query_weights().to(qw.dtype)
-        return (kw @ graded.unsqueeze(-1)).squeeze(-1) * self.scale
+        return (kw @ self.graded_queries(qw).unsqueeze(-1)).squeeze(-1) * self.scale
 
     def similarity_logits(
         self, qw: torch.Tensor, similarities: list[torch.Tensor]
@@ -137,7 +134,7 @@ class Graded(Geometry):
         check_role(role)
         if role == "key":
             return [Lift(w, "ip")]
-        return [Lift(w * self.query_weights().to(w.dtype), "ip")]
+        return [Lift(self.graded_queries(w), "ip")]
 
     def output_map(self, out: torch.Tensor) -> torch.Tensor:
         if self.variant != "values":

@@ -117,9 +117,9 @@ def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
     exact lift, else topk (cone attention has no cluster-tail estimate)."""
     if exact and mode not in (None, "exact"):
         raise invalid("exact", f"false when mode is {mode!r} (exact=true means mode=exact)", True)
-    estimable = GEOMETRIES[record["geometry"]["name"]].exact_lift
+    name = record["geometry"]["name"]
+    estimable = GEOMETRIES[name].exact_lift
     if mode == "tail" and not estimable:
-        name = record["geometry"]["name"]
         raise invalid(
             "mode",
             f"exact or topk for geometry {name!r} (it has no exact lift, hence no cluster-tail "
