@@ -3,6 +3,8 @@ computed as `2 atan2(||a - b||, ||a + b||)`, lift the witness with inner product
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .geometry import DistanceGeometry, Lift, Role, check_role
@@ -34,12 +36,23 @@ def distance_matrix(
         [b, torch.ones_like(b[..., :1])], dim=-1
     ).transpose(-1, -2)
     factor = 2.0 if scale is None else 2.0 * scale
-    return torch.asin(safe_sqrt(squared_half_chord).clamp_max(1.0)) * factor
+    return _arcsin_of_half_chord(squared_half_chord) * factor
+
+
+def _arcsin_of_half_chord(squared_half_chord: torch.Tensor) -> torch.Tensor:
+    """`arcsin(min(sqrt(h^2), 1))`. At antipodal points (h = 1, where the distance has a cone
+    singularity) the gradient is cut to 0: arcsin's derivative is infinite there, and an
+    infinite or NaN gradient would poison every parameter (seen with 2-dimensional sphere
+    components of a product geometry in training)."""
+    half_chord = safe_sqrt(squared_half_chord)
+    inside = half_chord < 1.0
+    angle = torch.asin(torch.where(inside, half_chord, torch.zeros_like(half_chord)))
+    return torch.where(inside, angle, torch.full_like(angle, math.pi / 2))
 
 
 def distance_from_cosine(cosine: torch.Tensor) -> torch.Tensor:
     """`arccos` as `2 arcsin(sqrt((1 - cos) / 2))` (vectorised; cosines beyond 1 count as 1)."""
-    return 2 * torch.asin(safe_sqrt((1 - cosine) / 2).clamp_max(1.0))
+    return 2 * _arcsin_of_half_chord((1 - cosine) / 2)
 
 
 class Sphere(DistanceGeometry):

@@ -157,3 +157,31 @@ def test_attention_gradient_in_curvature_is_finite(kappa):
     out, lse = dense_attention(q, k, v, g, causal=True, q_chunk=4, k_chunk=4)
     (out.sum() + lse.sum()).backward()
     assert torch.isfinite(g.kappa.grad).all() and torch.isfinite(g.temperature.log_scale.grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["sphere", "product"])
+def test_antipodal_sphere_points_have_finite_gradients(name, dtype):
+    """Antipodal witnesses (h = 1 in the half-chord arcsin) happen in training with a
+    2-dimensional sphere component; their gradient is cut to 0 instead of inf / NaN."""
+    options = (
+        {"euclidean_dim": 1, "sphere_dim": 2, "hyperbolic_dim": 1} if name == "product" else {}
+    )
+    geometry = build_geometry(name, 4, **options).to(dtype)
+    if name == "product":
+        with torch.no_grad():  # the sphere map takes the first two coordinates
+            geometry.maps["sphere"].zero_()
+            geometry.maps["sphere"][0, 0, 0] = geometry.maps["sphere"][0, 1, 1] = 1.0
+    q = torch.tensor([[1.0, 0.5, 0.3, -0.2]], dtype=dtype)
+    antipode = -2 * q if name == "sphere" else torch.cat([-2 * q[:, :2], q[:, 2:] + 0.1], -1)
+    k = torch.cat([antipode, torch.tensor([[0.5, 0.5, 0.2, 0.1]], dtype=dtype)])
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    out, _ = dense_attention(q, k, torch.randn(2, 3, dtype=dtype), geometry)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
+    for parameter in geometry.parameters():
+        assert parameter.grad is None or torch.isfinite(parameter.grad).all()
+    if name == "sphere":  # the value stays exact: distance pi
+        expected = torch.tensor(-math.pi / geometry.temperature().item(), dtype=dtype)
+        torch.testing.assert_close(geometry.logits(q, k)[0, 0], expected)
