@@ -110,6 +110,29 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     assert (tmp_path / "tail.png").stat().st_size > 10_000
 
 
+def test_hierarchy_benchmark_writes_records_and_a_plot(tmp_path):
+    arguments = ["--geometries", "dot", "umbral", "kappa", "--head-dims", "4", "8", "--seeds", "0"]
+    arguments += ["--depth", "3", "--steps", "3", "--workers", "1"]
+    records = run_benchmark("hierarchy", tmp_path, *arguments)
+    keys = {"geometry", "head_dim", "seed", "accuracy", "learned", "parameters", "final_loss"}
+    keys |= {"seconds", "leaves", "sharpness", "candidates"}
+    assert all(set(r) == keys for r in records)
+    assert {(r["geometry"], r["head_dim"]) for r in records} == {
+        (g, d) for g in ("dot", "umbral", "kappa") for d in (4, 8)
+    }
+    assert all(0 <= r["accuracy"] <= 1 for r in records)
+    kappa = next(r for r in records if r["geometry"] == "kappa")
+    assert len(kappa["learned"]["layer"]["kappa"]) == 1  # the learned curvature is reported
+    for head_dim in (4, 8):  # equal parameter budgets within one MLP unit (65 parameters)
+        counts = [r["parameters"] for r in records if r["head_dim"] == head_dim]
+        assert max(counts) - min(counts) < 65
+    pilot = json.loads((tmp_path / "hierarchy_pilot.json").read_text())
+    assert {(r["geometry"], r["sharpness"]) for r in pilot} == {
+        (g, s) for g in ("dot", "umbral", "kappa") for s in (0.25, 1.0, 4.0)
+    }
+    assert (tmp_path / "hierarchy.png").stat().st_size > 10_000
+
+
 def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     records = run_benchmark("service", tmp_path, "--tokens", "2048", "--requests", "2")
     upload, *loads = records

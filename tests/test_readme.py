@@ -33,6 +33,20 @@ def run_section(heading: str) -> list[str]:
     return result.stdout.strip().splitlines()
 
 
+def test_riemann_example_runs_and_prints_what_it_claims():
+    text = README.read_text()
+    heading = "### RiemannFormer, mixtures, layers and training aids"
+    example = re.search(re.escape(heading) + r"\n\n```python\n(.*?)```", text, re.S).group(1)
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.splitlines() == [
+        "torch.Size([2, 64, 128])",
+        "torch.Size([2, 64, 128]) True",
+        "['euclidean', 'hyperbolic']",
+    ]
+
+
 def test_sparse_example_runs():
     assert run_section("### Sparse and retrieval attention")[-1] == "(100, 64) (100,)"
 
