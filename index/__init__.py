@@ -16,7 +16,13 @@ from .measures import (
     summary,
     topk_recall,
 )
-from .retrieval import build_index, retrieval_attention, retrieval_candidates
+from .retrieval import (
+    build_index,
+    index_from_bytes,
+    index_to_bytes,
+    retrieval_attention,
+    retrieval_candidates,
+)
 from .tail import estimate_clusters, tail_attention
 
 __all__ = [
@@ -36,6 +42,8 @@ __all__ = [
     "estimate_clusters",
     "exact_topk",
     "faiss_device",
+    "index_from_bytes",
+    "index_to_bytes",
     "mass_recall",
     "output_error",
     "quality",

@@ -6,6 +6,7 @@ bands it does not, which is why bands are searched separately rather than pooled
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from rewa.attention import Geometry
@@ -61,3 +62,27 @@ class BandedIndex:
         return best_candidates(
             self.geometry, queries_w, self.keys, self.candidates(queries_w, k), k
         )
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Each band's key ids and FAISS indexes."""
+        arrays = {}
+        for band, (ids, part) in enumerate(zip(self.members, self.parts, strict=True)):
+            arrays[f"members{band}"] = ids.cpu().numpy()
+            arrays.update({f"band{band}_{name}": a for name, a in part.state().items()})
+        return arrays
+
+    def restore(self, keys_w: torch.Tensor, state: dict[str, np.ndarray]) -> None:
+        """Load `state()` output for the same key witnesses."""
+        self.keys = keys_w
+        self.members, self.parts = [], []
+        bands = sum(name.startswith("members") for name in state)
+        for band in range(bands):
+            ids = torch.from_numpy(state[f"members{band}"]).to(keys_w.device)
+            prefix = f"band{band}_"
+            part = GeometryIndex(self.geometry, self.settings, self.device)
+            part.restore(
+                keys_w[ids],
+                {name[len(prefix) :]: a for name, a in state.items() if name.startswith(prefix)},
+            )
+            self.members.append(ids)
+            self.parts.append(part)

@@ -255,6 +255,18 @@ class GeometryIndex:
     def serialize(self) -> list[bytes]:
         return [part.serialize() for part in self.parts]
 
+    def state(self) -> dict[str, np.ndarray]:
+        """What `restore` needs besides the key witnesses: each FAISS index, serialised."""
+        return {
+            f"part{i}": np.frombuffer(data, dtype=np.uint8)
+            for i, data in enumerate(self.serialize())
+        }
+
+    def restore(self, keys_w: torch.Tensor, state: dict[str, np.ndarray]) -> None:
+        """Load `state()` output for the same key witnesses (no training, no adding)."""
+        parts = [state[f"part{i}"].tobytes() for i in range(len(state))]
+        self.load_parts(keys_w, parts)
+
     def load_parts(self, keys_w: torch.Tensor, parts: list[bytes]) -> None:
         """Restore serialised component indexes for the same key witnesses."""
         metrics = [lift.metric for lift in self.geometry.lift(keys_w[:1], "key")]

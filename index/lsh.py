@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from rewa.attention import (
@@ -168,6 +169,29 @@ class CompositeLSH:
         """FAISS-shaped search: the `k` candidates with the best exact logits per query,
         `(D, I)` of shape `(nq, k)`, logits descending, `-inf`/`-1` where fewer exist."""
         return best_candidates(self.geometry, queries_w, self.keys, self.candidates(queries_w), k)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The sorted buckets and key order of every table and the calibrated grid widths (the
+        projections follow from the constructor's seed)."""
+        if self.order is None:
+            raise RuntimeError("CompositeLSH.state before add()")
+        widths = [family.width for family, _ in self.parts if isinstance(family, GridHash)]
+        return {
+            "order": self.order.cpu().numpy(),
+            "sorted_buckets": self.sorted_buckets.cpu().numpy(),
+            "grid_widths": np.array(widths, dtype=np.float64),
+        }
+
+    def restore(self, keys_w: torch.Tensor, state: dict[str, np.ndarray]) -> None:
+        """Load `state()` output for the same key witnesses and constructor arguments."""
+        grids = [family for family, _ in self.parts if isinstance(family, GridHash)]
+        if len(grids) != len(state["grid_widths"]):
+            raise ValueError("the stored LSH state was built with other hash families")
+        for family, width in zip(grids, state["grid_widths"].tolist(), strict=True):
+            family.width = width
+        self.keys = keys_w
+        self.order = torch.from_numpy(state["order"])
+        self.sorted_buckets = torch.from_numpy(state["sorted_buckets"])
 
 
 def _families(geometry, tables, bits, grid_hashes, grid_width, band, generator):

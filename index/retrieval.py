@@ -6,8 +6,10 @@ estimate the rest (`tail`)."""
 
 from __future__ import annotations
 
+import io
 from typing import Literal
 
+import numpy as np
 import torch
 
 from rewa.attention import Geometry, sparse_attention
@@ -35,15 +37,50 @@ def build_index(
     `CompositeLSH` arguments)."""
     with torch.no_grad():
         kw = geometry.witness(k)
+    index = _empty_index(geometry, method, options)
+    index.add(kw)
+    return index
+
+
+def _empty_index(geometry: Geometry, method: str, options: dict) -> KeyIndex:
     if method == "lsh":
-        index: KeyIndex = CompositeLSH(geometry, **options)
-    elif method in ("ivf", "flat", "hnsw"):
+        return CompositeLSH(geometry, **options)
+    if method in ("ivf", "flat", "hnsw"):
         settings = IndexSettings(kind=method, **options)
         exact = geometry.exact_lift
-        index = GeometryIndex(geometry, settings) if exact else BandedIndex(geometry, settings)
-    else:
-        raise ValueError(f"expected method 'ivf', 'flat', 'hnsw' or 'lsh', got {method!r}")
-    index.add(kw)
+        return GeometryIndex(geometry, settings) if exact else BandedIndex(geometry, settings)
+    raise ValueError(f"expected method 'ivf', 'flat', 'hnsw' or 'lsh', got {method!r}")
+
+
+INDEX_FORMAT = "rewa-index-1"
+
+
+def index_to_bytes(index: KeyIndex) -> bytes:
+    """A built index (FAISS, height-banded or LSH) as an `.npz` archive, without its keys."""
+    buffer = io.BytesIO()
+    np.savez(buffer, format=np.array([INDEX_FORMAT, type(index).__name__]), **index.state())
+    return buffer.getvalue()
+
+
+def index_from_bytes(
+    data: bytes,
+    k: torch.Tensor,
+    geometry: Geometry,
+    method: Literal["ivf", "flat", "hnsw", "lsh"] = "ivf",
+    **options,
+) -> KeyIndex:
+    """Restore `index_to_bytes` output for the same keys, geometry, method and options as the
+    `build_index` call that built it (nothing is trained or added again)."""
+    index = _empty_index(geometry, method, options)
+    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        state = {name: archive[name] for name in archive.files}
+    marker = state.pop("format", np.array([]))
+    if marker.tolist() != [INDEX_FORMAT, type(index).__name__]:
+        raise ValueError(
+            f"expected a stored {type(index).__name__} ({INDEX_FORMAT}), got {marker.tolist()}"
+        )
+    with torch.no_grad():
+        index.restore(geometry.witness(k), state)
     return index
 
 

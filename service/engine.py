@@ -3,9 +3,9 @@ indexes once per context version, keeps both in an LRU cache under a memory budg
 attention, search and self-attention. Every method here is synchronous and runs on the device
 worker thread (`batcher.Batcher`), never on the event loop.
 
-Per head of a context version the engine may hold a `KeyClusters` (tail mode; stored in the
-store when `store_indexes` is on, so other replicas load instead of rebuilding) and a search
-index of the context's kind (topk mode, search, and the ids of `return_topk`)."""
+Per head of a context version the engine may hold a `KeyClusters` (tail mode) and a search
+index of the context's kind (topk mode, search, and the ids of `return_topk`); both are put in
+the store when `store_indexes` is on, so other replicas load them instead of rebuilding."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
-from rewa.index import KeyClusters, build_index, exact_topk, retrieval_attention
+from rewa.index import (
+    KeyClusters,
+    build_index,
+    exact_topk,
+    index_from_bytes,
+    index_to_bytes,
+    retrieval_attention,
+)
 
 from .store import ContextStore
 from .wire import FLOAT_DTYPES
@@ -35,10 +42,17 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
+GEOMETRY_SEED = 0
+
+
 def geometry_of(spec: dict, head_dim: int) -> Geometry:
-    """The geometry of a stored spec (`{"name", **options}`), shared by every head."""
+    """The geometry of a stored spec (`{"name", **options}`), shared by every head. Geometries
+    with randomly initialised parameters (the product's maps) are built from a fixed seed, so
+    every load, restart and replica computes the same attention for the same context."""
     options = {key: value for key, value in spec.items() if key != "name"}
-    return make_geometry(spec["name"], head_dim, **options)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(GEOMETRY_SEED)
+        return make_geometry(spec["name"], head_dim, **options)
 
 
 @dataclass
@@ -190,19 +204,30 @@ class Engine:
         return built
 
     def search_index(self, loaded: LoadedContext) -> list:
-        """Per-head search indexes of the context's kind, built once per version."""
+        """Per-head search indexes of the context's kind, built once per version (or loaded
+        from the store, where another replica put them)."""
         spec = loaded.record["index"]
         kind = spec["kind"]
-        if kind not in loaded.search_indexes:
-            start = time.perf_counter()
-            options = dict(spec.get("options") or {})
-            with torch.no_grad():
-                loaded.search_indexes[kind] = [
-                    build_index(loaded.keys[head], loaded.geometry, kind, **options)
-                    for head in range(loaded.keys.shape[0])
-                ]
-            self._observe_build(kind, time.perf_counter() - start)
-        return loaded.search_indexes[kind]
+        if kind in loaded.search_indexes:
+            return loaded.search_indexes[kind]
+        namespace, context_id, version = loaded.key
+        options = dict(spec.get("options") or {})
+        indexes = []
+        start = time.perf_counter()
+        for head in range(loaded.keys.shape[0]):
+            name = f"{kind}-v{version}-h{head}.npz"
+            keys = loaded.keys[head]
+            blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
+            if blob is not None:
+                indexes.append(index_from_bytes(blob, keys, loaded.geometry, kind, **options))
+                continue
+            index = build_index(keys, loaded.geometry, kind, **options)
+            if self.store_indexes:
+                self.store.put_blob(namespace, context_id, name, index_to_bytes(index))
+            indexes.append(index)
+        self._observe_build(kind, time.perf_counter() - start)
+        loaded.search_indexes[kind] = indexes
+        return indexes
 
     def _observe_build(self, kind: str, seconds: float) -> None:
         if self.metrics is not None:

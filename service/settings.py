@@ -29,7 +29,9 @@ class Settings(BaseSettings):
     # Compute.
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     cache_bytes: int = Field(8 * 1024 * MIB, ge=0, description="LRU budget of loaded contexts")
-    store_indexes: bool = True  # keep built cluster indexes in the store for other replicas
+    store_indexes: bool = (
+        True  # keep built indexes (clusters, FAISS, LSH) in the store for replicas
+    )
     batching: bool = True
     batch_max_queries: int = Field(4096, ge=1, description="queries merged into one call")
     batch_max_wait_ms: float = Field(2.0, ge=0)

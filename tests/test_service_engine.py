@@ -12,19 +12,27 @@ from rewa.service.engine import AttendParams, Engine, resolve_device
 H, N, D = 2, 600, 8
 
 
-def _committed_record(store, name, seed):
+def _committed_record(store, name, seed, geometry=None, kind="flat", options=None):
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(H, N, D, generator=generator)
     values = torch.randn(H, N, D, generator=generator)
+    index = {
+        "kind": kind,
+        "k": 16,
+        "window": 0,
+        "sinks": 0,
+        "budget": 0.1,
+        "options": options or {},
+    }
     info = {
         "id": name,
         "name": name,
-        "geometry": {"name": "dot"},
+        "geometry": geometry or {"name": "dot"},
         "heads": H,
         "head_dim": D,
         "value_dim": D,
         "dtype": "float32",
-        "index": {"kind": "flat", "k": 16, "window": 0, "sinks": 0, "budget": 0.1, "options": {}},
+        "index": index,
     }
     store.create("ns", info)
     upload = store.begin_upload("ns", name)
@@ -73,3 +81,42 @@ def test_the_device_is_cuda_only_when_available(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_device("auto") == torch.device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("geometry", "kind", "options"),
+    [
+        ({"name": "dot"}, "ivf", {"nlist": 8}),
+        ({"name": "poincare"}, "hnsw", {}),
+        ({"name": "product"}, "lsh", {"tables": 8}),
+        ({"name": "euclidean"}, "lsh", {"tables": 8}),
+        ({"name": "cone", "kind": "umbral"}, "flat", {"bands": 3}),
+    ],
+)
+def test_search_indexes_are_built_once_and_shared_through_the_store(
+    tmp_path, geometry, kind, options
+):
+    store = EmbeddedStore(tmp_path)
+    record = _committed_record(store, "a", 4, geometry, kind, options)
+    params = AttendParams(mode="topk", k=16, budget=0.1, window=0, sinks=0)
+    queries = torch.randn(H, 5, D)
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=True)
+    result = engine.attend(engine.context("ns", record), queries, params)
+    found = engine.search(engine.context("ns", record), queries, 8, exact=False)
+    blob = store.get_blob("ns", "a", f"{kind}-v1-h1.npz")
+    assert blob is not None
+    other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
+                   store_indexes=True)  # fmt: skip
+    built = []
+    monkey = pytest.MonkeyPatch()
+    monkey.setattr("rewa.service.engine.build_index", lambda *a, **k: built.append(a))
+    try:
+        loaded = other.context("ns", record)
+        again = other.attend(loaded, queries, params)
+        found_again = other.search(loaded, queries, 8, exact=False)
+    finally:
+        monkey.undo()
+    assert built == []  # loaded from the store, not rebuilt
+    torch.testing.assert_close(again["out"], result["out"])
+    torch.testing.assert_close(again["lse"], result["lse"])
+    assert torch.equal(found_again["ids"], found["ids"])
