@@ -357,11 +357,17 @@ def _blocked_partials(
     key_valid = key_valid & ~is_always[key_position]
     query_valid = group_query >= 0
     logits = clusters.geometry.score(
-        qw[group_query.clamp_min(0)], clusters.keys_w[key_position]
+        _rows(qw, group_query.clamp_min(0)), _rows(clusters.keys_w, key_position)
     )  # (n_groups, group_size, KEY_BLOCK)
     logits = logits.masked_fill(~key_valid.unsqueeze(1), float("-inf"))
-    group_out, group_lse = softmax_attend(logits, clusters.values[key_position])
+    group_out, group_lse = softmax_attend(logits, _rows(clusters.values, key_position))
     return group_query[query_valid], group_out[query_valid], group_lse[query_valid]
+
+
+def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` for a 2-D table through one `index_select` (several times faster than
+    advanced indexing on the CPU)."""
+    return table.index_select(0, index.flatten()).view(*index.shape, table.shape[-1])
 
 
 def _merge_partials(
