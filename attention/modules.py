@@ -95,11 +95,23 @@ class GeometricAttention(nn.Module):
         """`query (B, Nq, E)`, `key`/`value (B, Nk, E)` (default: self-attention) -> `(B, Nq, E)`;
         with `need_lse`, also the per-head log-partition `(B, H, Nq)`. `mask` broadcasts to
         `(B, H, Nq, Nk)` (True = attend, or additive float)."""
+        q, k, v = self.project(query, key, value)
+        out, lse = self.attend(q, k, v, mask, causal)
+        return self.merge_heads(out, lse, need_lse)
+
+    def project(
+        self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-head `q, k, v (B, H, N, head_dim)`; key defaults to query, value to key."""
         key = query if key is None else key
         value = key if value is None else value
         q = self._split_heads(self.q_proj(query))
         k = self._split_heads(self.k_proj(key))
-        v = self._split_heads(self.v_proj(value))
-        out, lse = self.attend(q, k, v, mask, causal)
+        return q, k, self._split_heads(self.v_proj(value))
+
+    def merge_heads(
+        self, out: torch.Tensor, lse: torch.Tensor, need_lse: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The output projection of per-head outputs `(B, H, N, head_dim)`."""
         out = self.out_proj(out.transpose(-2, -3).flatten(-2))
         return (out, lse) if need_lse else out

@@ -423,20 +423,19 @@ class RiemannAttention(GeometricAttention):
         need_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         key_input = query if key is None else key
-        value_input = key_input if value is None else value
         query_positions = self._positions(positions, query.shape[-2], query.device)
         if key_positions is None and key is None:
             key_positions = positions
         key_positions = self._positions(key_positions, key_input.shape[-2], query.device)
-        q = self._split_heads(self.q_proj(query))
-        k = self._split_heads(self.k_proj(key_input))
-        v = self._split_heads(self.v_proj(value_input))
+        q, k, v = self.project(query, key, value)
         if self.transport is not None:
             q = self.transport(q, query_positions)
             k = self.transport(k, key_positions)
         scales = {}
         if self.scaling is not None:
-            scales = {"query_scale": self.scaling(query), "key_scale": self.scaling(key_input)}
+            query_scale = self.scaling(query)
+            key_scale = query_scale if key is None else self.scaling(key_input)
+            scales = {"query_scale": query_scale, "key_scale": key_scale}
         out, lse = riemann_attention(
             q,
             k,
@@ -449,5 +448,4 @@ class RiemannAttention(GeometricAttention):
             causal=causal,
             **scales,
         )
-        out = self.out_proj(out.transpose(-2, -3).flatten(-2))
-        return (out, lse) if need_lse else out
+        return self.merge_heads(out, lse, need_lse)
