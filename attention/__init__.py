@@ -37,14 +37,13 @@ from .riemann import (
 )
 from .sparse import sparse_attention
 from .sphere import Sphere
-from .stereographic import KappaStereographic
+from .stereographic import KappaStereographic, expmap
 from .training import (
     CURRICULUM_PHASES,
     GeometricCurriculum,
     Phase,
     RiemannianSGD,
     component_group,
-    expmap,
     riemannian_gradient,
 )
 

@@ -146,6 +146,15 @@ def expmap0(u: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return u * (tan_k(norm, k) / norm)
 
 
+def expmap(x: torch.Tensor, u: torch.Tensor, k: float | torch.Tensor) -> torch.Tensor:
+    """The exponential map at `x` of tangent vectors `u`:
+    `x (+)_k tan_k(lambda_x ||u|| / 2) u / ||u||`, `lambda_x = 2 / (1 + k ||x||^2)`."""
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    conformal = 2 / (1 + k * x.square().sum(-1, keepdim=True))
+    norm = safe_norm(u, keepdim=True)
+    return mobius_add(x, tan_k(conformal * norm / 2, k) * (u / norm), k)
+
+
 def logmap0(y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Logarithmic map at the origin: `artan_k(||y||) y / ||y||`."""
     norm = safe_norm(y, keepdim=True)

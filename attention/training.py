@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from . import stereographic
-from .numerics import safe_norm
 
 COMPONENT_GROUPS = ("base", "sphere", "euclidean", "hyperbolic")
 
@@ -112,16 +111,6 @@ def riemannian_gradient(
     return factor * euclidean_gradient
 
 
-def expmap(x: torch.Tensor, u: torch.Tensor, kappa: float | torch.Tensor = -1.0) -> torch.Tensor:
-    """The exponential map at `x` of tangent vectors `u`:
-    `x (+)_k tan_k(lambda_x ||u|| / 2) u / ||u||`, `lambda_x = 2 / (1 + kappa ||x||^2)`."""
-    kappa = torch.as_tensor(kappa, dtype=x.dtype, device=x.device)
-    conformal = 2 / (1 + kappa * x.square().sum(-1, keepdim=True))
-    norm = safe_norm(u, keepdim=True)
-    step = stereographic.tan_k(conformal * norm / 2, kappa) * (u / norm)
-    return stereographic.mobius_add(x, step, kappa)
-
-
 class RiemannianSGD(torch.optim.Optimizer):
     """Riemannian SGD for parameters that are points of a kappa-stereographic ball (rows along
     the last axis): `x <- project(expmap_x(-lr grad_R))` with `grad_R = riemannian_gradient`."""
@@ -144,5 +133,7 @@ class RiemannianSGD(torch.optim.Optimizer):
                     continue
                 k = kappa.to(parameter.dtype)
                 direction = riemannian_gradient(parameter, parameter.grad, k) * -group["lr"]
-                parameter.copy_(stereographic.project(expmap(parameter, direction, k), k))
+                parameter.copy_(
+                    stereographic.project(stereographic.expmap(parameter, direction, k), k)
+                )
         return loss

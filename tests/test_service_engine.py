@@ -94,7 +94,7 @@ def test_the_device_is_cuda_only_when_available(monkeypatch):
     ],
 )
 def test_search_indexes_are_built_once_and_shared_through_the_store(
-    tmp_path, geometry, kind, options
+    tmp_path, monkeypatch, geometry, kind, options
 ):
     store = EmbeddedStore(tmp_path)
     record = _committed_record(store, "a", 4, geometry, kind, options)
@@ -108,14 +108,10 @@ def test_search_indexes_are_built_once_and_shared_through_the_store(
     other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
                    store_indexes=True)  # fmt: skip
     built = []
-    monkey = pytest.MonkeyPatch()
-    monkey.setattr("rewa.service.engine.build_index", lambda *a, **k: built.append(a))
-    try:
-        loaded = other.context("ns", record)
-        again = other.attend(loaded, queries, params)
-        found_again = other.search(loaded, queries, 8, exact=False)
-    finally:
-        monkey.undo()
+    monkeypatch.setattr("rewa.service.engine.build_index", lambda *a, **k: built.append(a))
+    loaded = other.context("ns", record)
+    again = other.attend(loaded, queries, params)
+    found_again = other.search(loaded, queries, 8, exact=False)
     assert built == []  # loaded from the store, not rebuilt
     torch.testing.assert_close(again["out"], result["out"])
     torch.testing.assert_close(again["lse"], result["lse"])
