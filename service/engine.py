@@ -180,7 +180,7 @@ class Engine:
         built = []
         start = time.perf_counter()
         for head in range(loaded.keys.shape[0]):
-            name = f"clusters-v{version}-h{head}.npz"
+            name = f"clusters{KeyClusters.FORMAT}-v{version}-h{head}.npz"
             blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
             if blob is not None:
                 built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
@@ -197,10 +197,7 @@ class Engine:
             built.append(clusters)
         self._observe_build("clusters", time.perf_counter() - start)
         loaded.clusters = built
-        loaded.nbytes += sum(
-            c.keys_w.nbytes + c.values.nbytes + c.factor.nbytes + c.value_factor.nbytes
-            for c in built
-        )
+        loaded.nbytes += sum(c.nbytes for c in built)
         return built
 
     def search_index(self, loaded: LoadedContext) -> list:

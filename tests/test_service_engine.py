@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rewa.index import KeyClusters
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import AttendParams, Engine, resolve_device
 
@@ -59,7 +60,7 @@ def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     queries = torch.randn(H, 4, D)
     engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
-    assert store.get_blob("ns", "a", "clusters-v1-h0.npz") is not None
+    assert store.get_blob("ns", "a", f"clusters{KeyClusters.FORMAT}-v1-h0.npz") is not None
     # Another replica on the same store loads the clusters instead of rebuilding them.
     other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
                    store_indexes=True)  # fmt: skip

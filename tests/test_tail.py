@@ -212,7 +212,7 @@ def test_clusters_serialise_round_trip():
     q, k, v = _inputs()
     clusters = _clusters(k, v, g, n_clusters=7, rank=3)
     restored = KeyClusters.from_bytes(clusters.to_bytes(), g)
-    for name in ("order", "offsets", "keys_w", "factor", "value_factor", "radius"):
+    for name in ("order", "offsets", "keys_w", "factor", "value_cross", "radius"):
         assert torch.equal(getattr(restored, name), getattr(clusters, name))
     with torch.no_grad():
         first = tail_attention(q, clusters, budget=0.1)
@@ -220,6 +220,10 @@ def test_clusters_serialise_round_trip():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     stranger = io.BytesIO()
     np.savez(stranger, order=clusters.order.numpy())
+    with pytest.raises(ValueError, match="format 2, got format 1"):
+        KeyClusters.from_bytes(stranger.getvalue(), g)
+    stranger = io.BytesIO()
+    np.savez(stranger, format=np.array(KeyClusters.FORMAT), order=clusters.order.numpy())
     with pytest.raises(ValueError, match="expected arrays"):
         KeyClusters.from_bytes(stranger.getvalue(), g)
 
