@@ -204,7 +204,7 @@ def tail_attention(
     dtype = clusters.keys_w.dtype
     qw = geometry.witness(q.to(dtype))
     n_keys = clusters.n_keys
-    is_always = torch.zeros(n_keys, dtype=torch.bool, device=qw.device)
+    is_always = None  # or a flag per sorted position: read exactly outside the clusters
     counts = clusters.counts
     if always is not None and always.numel() > 0:
         always = always.unique()
@@ -213,12 +213,13 @@ def tail_attention(
         position = torch.empty_like(clusters.order)
         position[clusters.order] = torch.arange(n_keys, device=position.device)
         positions = position[always]
+        is_always = torch.zeros(n_keys, dtype=torch.bool, device=qw.device)
         is_always[positions] = True
         # Those keys are read exactly, so the estimates of their clusters leave them out.
         cluster = torch.searchsorted(clusters.offsets, positions, right=True) - 1
         counts = counts - torch.bincount(cluster, minlength=clusters.n_clusters).to(counts.dtype)
         always_keys, always_values = clusters.keys_w[positions], clusters.values[positions]
-    n_always = int(is_always.sum())
+    n_always = 0 if is_always is None else len(always)
     budget_keys = budget * n_keys - n_always
     outs, lses, reads = [], [], []
     for start in range(0, qw.shape[0], query_block):
@@ -248,7 +249,7 @@ def _visited_attention(
     clusters: KeyClusters,
     pair_query: torch.Tensor,
     pair_cluster: torch.Tensor,
-    is_always: torch.Tensor,
+    is_always: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention `(out, lse)` of each query over the keys of its visited clusters (the
     `(query, cluster)` pairs), leaving out the keys flagged `is_always` (read elsewhere).
@@ -273,7 +274,7 @@ def _per_cluster_partials(
     clusters: KeyClusters,
     pair_query: torch.Tensor,
     pair_cluster: torch.Tensor,
-    is_always: torch.Tensor,
+    is_always: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One partial per pair: for each visited cluster, the scores of the queries visiting it
     against its keys (a slice of the sorted keys, no copy), softmax, values."""
@@ -281,8 +282,10 @@ def _per_cluster_partials(
     rows, pair_cluster = pair_query[order], pair_cluster[order]
     visited, visits = torch.unique_consecutive(pair_cluster, return_counts=True)
     offsets = clusters.offsets.tolist()
-    flagged = is_always.nonzero().squeeze(-1)
-    has_always = set((torch.searchsorted(clusters.offsets, flagged, right=True) - 1).tolist())
+    has_always = set()
+    if is_always is not None:
+        flagged = is_always.nonzero().squeeze(-1)
+        has_always = set((torch.searchsorted(clusters.offsets, flagged, right=True) - 1).tolist())
     score = _cluster_scorer(clusters.geometry, qw)
     if qw.requires_grad:
         return rows, *_per_cluster_differentiable(
@@ -358,7 +361,7 @@ def _blocked_partials(
     clusters: KeyClusters,
     pair_query: torch.Tensor,
     pair_cluster: torch.Tensor,
-    is_always: torch.Tensor,
+    is_always: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Partials from one batched product, a fixed number of tensor operations whatever the
     number of queries and clusters.
@@ -400,7 +403,8 @@ def _blocked_partials(
     key_position = start.unsqueeze(-1) + torch.arange(KEY_BLOCK, device=device)
     key_valid = key_position < clusters.offsets[group_cluster + 1].unsqueeze(-1)
     key_position = key_position.clamp_max(clusters.n_keys - 1)
-    key_valid = key_valid & ~is_always[key_position]
+    if is_always is not None:
+        key_valid = key_valid & ~is_always[key_position]
     query_valid = group_query >= 0
     logits = clusters.geometry.score(
         _rows(qw, group_query.clamp_min(0)), _rows(clusters.keys_w, key_position)
