@@ -287,11 +287,11 @@ def _per_cluster_partials(
         flagged = is_always.nonzero().squeeze(-1)
         has_always = set((torch.searchsorted(clusters.offsets, flagged, right=True) - 1).tolist())
     score = _cluster_scorer(clusters.geometry, qw)
-    if qw.requires_grad:
+    if torch.is_grad_enabled():  # queries, keys or geometry parameters may require gradients
         return rows, *_per_cluster_differentiable(
             score, clusters, rows, visited, visits, is_always, has_always
         )
-    # No gradient: every result goes straight into its slice of preallocated tensors, and
+    # Without autograd: every result goes straight into its slice of preallocated tensors, and
     # the log-partitions `max_j l_j - log max_j w_j` (`_finite_softmax_attend`) are completed
     # in one operation at the end; the fewest operations per cluster.
     partial_out = clusters.values.new_empty(len(rows), clusters.values.shape[-1])

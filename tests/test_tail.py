@@ -238,6 +238,22 @@ def test_gradients_reach_the_queries():
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("name", ["dot", "sphere"])
+def test_the_differentiable_and_the_in_place_exact_parts_agree(name):
+    """With autograd on, the exact part runs out of place (for gradients); under no_grad it
+    writes into preallocated slices. Same values, window and sink keys included."""
+    g = build_geometry(name, 8)
+    q, k, v = _inputs()
+    clusters = _clusters(k, v, g, n_clusters=10)
+    always = torch.tensor([0, 1, 397, 398, 399])
+    out, lse = tail_attention(q.requires_grad_(), clusters, budget=0.2, always=always)
+    with torch.no_grad():
+        out_in_place, lse_in_place = tail_attention(q, clusters, budget=0.2, always=always)
+    assert out.requires_grad and not out_in_place.requires_grad
+    torch.testing.assert_close(out.detach(), out_in_place, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse.detach(), lse_in_place, rtol=1e-12, atol=1e-12)
+
+
 def test_the_estimates_rank_the_true_cluster_masses():
     """The per-cluster log-mass estimates track the exact per-cluster log-sum-exp."""
     data = clustered(8192)
