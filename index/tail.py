@@ -42,6 +42,7 @@ still fit in the `budget` (a fraction of the context's keys).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -316,7 +317,13 @@ def _per_cluster_partials(
 
 
 def _per_cluster_differentiable(
-    score, clusters: KeyClusters, rows, visited, visits, is_always, has_always
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    clusters: KeyClusters,
+    rows: torch.Tensor,
+    visited: torch.Tensor,
+    visits: torch.Tensor,
+    is_always: torch.Tensor | None,
+    has_always: set[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_per_cluster_partials`'s loop with out-of-place operations, for gradients."""
     offsets = clusters.offsets.tolist()
@@ -335,7 +342,9 @@ def _per_cluster_differentiable(
     return torch.cat(outs), torch.cat(lses)
 
 
-def _cluster_scorer(geometry: Geometry, qw: torch.Tensor):
+def _cluster_scorer(
+    geometry: Geometry, qw: torch.Tensor
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`score(query_ids, keys_w)`: the logits of some of the queries `qw` against a slice of
     keys. For the dot product the scale is folded into the queries once (one pass over each
     cluster's logits fewer)."""
