@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         device=device,
         cache_bytes=settings.cache_bytes,
         store_indexes=settings.store_indexes,
+        sparse_threads=settings.sparse_threads,
         metrics=metrics,
     )
     batcher = Batcher(

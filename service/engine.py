@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,22 @@ def resolve_device(setting: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"REWA_DEVICE={setting} but CUDA is not available")
     return device
+
+
+@contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Torch's CPU operations inside the block use `count` threads (0: leave the setting as
+    is); the previous setting comes back afterwards, also after an error. The setting is the
+    process's, so only the device worker (the one thread that computes) may use this."""
+    before = torch.get_num_threads()
+    if count <= 0 or count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 GEOMETRY_SEED = 0
@@ -94,12 +112,14 @@ class Engine:
         device: torch.device,
         cache_bytes: int,
         store_indexes: bool,
+        sparse_threads: int = 0,
         metrics=None,
     ) -> None:
         self.store = store
         self.device = device
         self.cache_bytes = cache_bytes
         self.store_indexes = store_indexes
+        self.sparse_threads = sparse_threads
         self.metrics = metrics
         self._cache: OrderedDict[ContextKey, LoadedContext] = OrderedDict()
         self._lock = threading.Lock()
@@ -272,31 +292,40 @@ class Engine:
         return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
 
     def _sparse_head(self, loaded, q, head, params, positions, causal):
+        """One head's tail or topk attention. Its index is built (first use) with every
+        thread; the attention itself with `sparse_threads`: a sparse call is many small
+        operations, which a second thread speeds up far less than it costs the other work of
+        the process (benchmarks/service.py: 32 decode clients, about 2x the requests per
+        second on one thread than on two)."""
         k, v = loaded.keys[head], loaded.values[head]
         if params.mode == "tail":
+            clusters = self.clusters(loaded)[head]
+            with intra_op_threads(self.sparse_threads):
+                return retrieval_attention(
+                    q,
+                    k,
+                    v,
+                    loaded.geometry,
+                    index=clusters,
+                    tail=True,
+                    budget=params.budget,
+                    window=params.window,
+                    sinks=params.sinks,
+                )
+        index = self.search_index(loaded)[head]
+        with intra_op_threads(self.sparse_threads):
             return retrieval_attention(
                 q,
                 k,
                 v,
                 loaded.geometry,
-                index=self.clusters(loaded)[head],
-                tail=True,
-                budget=params.budget,
+                top_k=params.k,
+                index=index,
                 window=params.window,
                 sinks=params.sinks,
+                causal=causal,
+                positions=positions,
             )
-        return retrieval_attention(
-            q,
-            k,
-            v,
-            loaded.geometry,
-            top_k=params.k,
-            index=self.search_index(loaded)[head],
-            window=params.window,
-            sinks=params.sinks,
-            causal=causal,
-            positions=positions,
-        )
 
     def _best(self, loaded, q, k, exact):
         """The k best keys per query: `(ids (H, nq, k), logits (H, nq, k))`, `-1`/`-inf`

@@ -32,6 +32,11 @@ class Settings(BaseSettings):
     store_indexes: bool = (
         True  # keep built indexes (clusters, FAISS, LSH) in the store for replicas
     )
+    sparse_threads: int = Field(
+        1,
+        ge=0,
+        description="CPU threads of one tail or topk attention call; 0: torch's default",
+    )
     batching: bool = True
     batch_max_queries: int = Field(4096, ge=1, description="queries merged into one call")
     batch_max_wait_ms: float = Field(2.0, ge=0)

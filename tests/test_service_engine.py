@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewa.index import KeyClusters
+from rewa.index import KeyClusters, retrieval_attention
+from rewa.service import engine as engine_module
 from rewa.service.embedded_store import EmbeddedStore
-from rewa.service.engine import AttendParams, Engine, resolve_device
+from rewa.service.engine import AttendParams, Engine, intra_op_threads, resolve_device
 
 H, N, D = 2, 600, 8
 
@@ -72,6 +73,53 @@ def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     again = other.attend(loaded, queries, params)
     torch.testing.assert_close(again["out"], result["out"])
     torch.testing.assert_close(again["lse"], result["lse"])
+
+
+def test_intra_op_threads_are_set_inside_the_block_and_restored_after_it():
+    before = torch.get_num_threads()
+    with intra_op_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError, match="inside"), intra_op_threads(1):
+        raise RuntimeError("inside")
+    assert torch.get_num_threads() == before
+    with intra_op_threads(0):  # 0: the setting as it is
+        assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("mode", ["tail", "topk"])
+def test_sparse_attention_runs_on_sparse_threads_and_builds_indexes_on_all(monkeypatch, mode):
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 5)
+    params = AttendParams(mode=mode, k=16, budget=0.1, window=0, sinks=0)
+    queries = torch.randn(H, 3, D)
+    before = 2  # set below, so that it differs from sparse_threads on any machine
+    seen = {"attention": [], "clusters": [], "index": []}
+
+    def spy(name, function):
+        def wrapped(*args, **kwargs):
+            seen[name].append(torch.get_num_threads())
+            return function(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(engine_module, "retrieval_attention", spy("attention", retrieval_attention))
+    monkeypatch.setattr(KeyClusters, "build", spy("clusters", KeyClusters.build))
+    monkeypatch.setattr(engine_module, "build_index", spy("index", engine_module.build_index))
+    reference = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    expected = reference.attend(reference.context("ns", record), queries, params)
+    for name in seen:
+        seen[name].clear()
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False,
+                    sparse_threads=1)  # fmt: skip
+    with intra_op_threads(before):
+        result = engine.attend(engine.context("ns", record), queries, params)
+        assert torch.get_num_threads() == before
+    assert seen["attention"] == [1] * H
+    built = seen["clusters"] if mode == "tail" else seen["index"]
+    assert built == [before] * H
+    torch.testing.assert_close(result["out"], expected["out"])
+    torch.testing.assert_close(result["lse"], expected["lse"])
 
 
 def test_the_device_is_cuda_only_when_available(monkeypatch):
