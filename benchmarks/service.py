@@ -7,11 +7,14 @@ REWA_DATA_DIR; the batching-off server is a second process over the same directo
 are threads of this process with one HTTP connection each, on the same 2-core machine as the
 server, so they compete with it for CPU. Every client sends a fixed number of requests after a
 warm-up; latency is per request as the client sees it. Records: `{"mode", "clients",
-"batching", "exact", "p50_ms", "p99_ms", "requests_per_s"}` plus one `{"mode": "upload",
-"seconds", "tokens", "bytes"}`, in `benchmarks/results/service.json`, and a PNG.
+"batching", "exact", "p50_ms", "p99_ms", "requests_per_s", "server_cpu_ms_per_request",
+"client_cpu_ms_per_request"}` (CPU time of the server process and of the clients' process
+over the measured requests, divided by their number) plus one `{"mode": "upload", "seconds",
+"tokens", "bytes"}`, in `benchmarks/results/service.json`, and a PNG.
 
     .venv/bin/python benchmarks/service.py
     .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
+    .venv/bin/python benchmarks/service.py --sparse-threads 2 --out /tmp/service-2-threads
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_server(data_dir: str, batching: bool) -> tuple[subprocess.Popen, str]:
+def start_server(
+    data_dir: str, batching: bool, sparse_threads: int | None = None
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {
         **os.environ,
@@ -55,6 +60,8 @@ def start_server(data_dir: str, batching: bool) -> tuple[subprocess.Popen, str]:
         "REWA_BATCHING": "true" if batching else "false",
         "REWA_QUEUE_SIZE": "1024",
     }
+    if sparse_threads is not None:
+        env["REWA_SPARSE_THREADS"] = str(sparse_threads)
     process = subprocess.Popen(
         [sys.executable, "-m", "rewa.clients.cli", "serve"],
         env=env,
@@ -119,8 +126,17 @@ def decode_request(generator: torch.Generator) -> dict:
     }
 
 
-def load(url: str, context_id: str, clients: int, requests: int, exact: bool) -> dict:
-    """Each client sends `requests` attend requests back to back; latencies and throughput."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux `/proc`)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load(
+    url: str, context_id: str, clients: int, requests: int, exact: bool, server_pid: int
+) -> dict:
+    """Each client sends `requests` attend requests back to back; latencies, throughput and
+    the CPU time per request of the server process and of this (the clients') process."""
     latencies: list[float] = []
     failures: list[str] = []
     lock = threading.Lock()
@@ -148,9 +164,12 @@ def load(url: str, context_id: str, clients: int, requests: int, exact: bool) ->
         thread.start()
     barrier.wait()
     start = time.perf_counter()
+    server_start, clients_start = cpu_seconds(server_pid), time.process_time()
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - start
+    server_cpu = cpu_seconds(server_pid) - server_start
+    clients_cpu = time.process_time() - clients_start
     if failures:
         raise RuntimeError(f"{len(failures)} requests failed, e.g. {failures[0]}")
     values = np.array(latencies) * 1000
@@ -158,14 +177,16 @@ def load(url: str, context_id: str, clients: int, requests: int, exact: bool) ->
         "p50_ms": float(np.percentile(values, 50)),
         "p99_ms": float(np.percentile(values, 99)),
         "requests_per_s": len(latencies) / elapsed,
+        "server_cpu_ms_per_request": server_cpu * 1000 / len(latencies),
+        "client_cpu_ms_per_request": clients_cpu * 1000 / len(latencies),
     }
 
 
-def run(tokens: int, requests: int) -> list[dict]:
+def run(tokens: int, requests: int, sparse_threads: int | None) -> list[dict]:
     records = []
     with tempfile.TemporaryDirectory(prefix="rewa-bench-") as data_dir:
         for batching in (True, False):
-            process, url = start_server(data_dir, batching)
+            process, url = start_server(data_dir, batching, sparse_threads)
             try:
                 if batching:
                     context_id, seconds, size = upload(url, tokens)
@@ -174,9 +195,10 @@ def run(tokens: int, requests: int) -> list[dict]:
                     )
                     print(json.dumps(records[-1]), flush=True)
                 for exact in (False, True):
-                    load(url, context_id, 1, 3, exact)  # warm-up: load, build the clusters
+                    # Warm-up: load, build the clusters.
+                    load(url, context_id, 1, 3, exact, process.pid)
                     for clients in CLIENT_COUNTS:
-                        measured = load(url, context_id, clients, requests, exact)
+                        measured = load(url, context_id, clients, requests, exact, process.pid)
                         record = {
                             "mode": "exact" if exact else "tail",
                             "clients": clients,
@@ -224,8 +246,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=131072)
     parser.add_argument("--requests", type=int, default=20, help="per client")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--sparse-threads", type=int, default=None, help="REWA_SPARSE_THREADS of the servers"
+    )
     args = parser.parse_args()
-    records = run(args.tokens, args.requests)
+    records = run(args.tokens, args.requests, args.sparse_threads)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "service.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "service.png")

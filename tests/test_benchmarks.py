@@ -139,7 +139,9 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     assert upload["mode"] == "upload" and upload["tokens"] == 2048
     assert upload["bytes"] == 2 * 8 * 2048 * 64 * 4
     keys = {"mode", "clients", "batching", "exact", "p50_ms", "p99_ms", "requests_per_s"}
+    keys |= {"server_cpu_ms_per_request", "client_cpu_ms_per_request"}
     assert all(set(r) == keys for r in loads)
+    assert all(r["server_cpu_ms_per_request"] > 0 for r in loads)
     configurations = {(r["clients"], r["batching"], r["exact"]) for r in loads}
     assert configurations == {
         (c, b, e) for c in (1, 8, 32) for b in (True, False) for e in (True, False)
