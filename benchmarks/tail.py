@@ -17,7 +17,8 @@ Modes, all on the same queries against the same exact reference:
 - `dense`: exact dense attention (`dense_attention`; PyTorch's fused kernel for the dot
   product on CPU);
 - `build`: building the clustered representation (`KeyClusters.build`, defaults: N / 512
-  clusters, covariance rank 4, full key-value cross-covariance), once per context;
+  clusters, covariance rank 4, full key-value cross-covariance, 0.1 % of the keys, the
+  farthest from their cluster's centre, read by every query), once per context;
 - `topk`: exact-only sparse attention over the clusters each query visits (`tail=False`);
 - `tail`: the same keys read exactly plus the estimate of every other cluster.
 
@@ -29,6 +30,8 @@ the fastest of three runs after a warm-up).
     .venv/bin/python benchmarks/tail.py --datasets clustered --n 8192 --out /tmp/tail
     .venv/bin/python benchmarks/tail.py --datasets tree --keys-per-cluster 256 --rank 8 \
         --out /tmp/tail-256
+    .venv/bin/python benchmarks/tail.py --datasets text --geometries dot --outliers 0 \
+        --out /tmp/tail-no-outliers
 """
 
 from __future__ import annotations
@@ -179,6 +182,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--keys-per-cluster", type=int, help="default: KeyClusters.build's (512)")
     parser.add_argument("--rank", type=int, help="default: KeyClusters.build's (4)")
+    parser.add_argument(
+        "--outliers", type=float, help="keys read by every query; default: KeyClusters.build's"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     cluster_options = {}
@@ -186,6 +192,8 @@ def main() -> None:
         cluster_options["n_clusters"] = -(-args.n // args.keys_per_cluster)
     if args.rank is not None:
         cluster_options["rank"] = args.rank
+    if args.outliers is not None:
+        cluster_options["outliers"] = args.outliers
     records = run(args.datasets, args.n, args.geometries, cluster_options)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tail.json").write_text(json.dumps(records, indent=1))

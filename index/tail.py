@@ -34,9 +34,10 @@ Limits where the estimate is exact: a cluster of one key or of identical keys (z
 (`log E exp(scale s) = scale s_bar + scale^2 var / 2`); the log-partition is exact when every
 cluster is visited.
 
-Which clusters a query visits: its most massive clusters by estimate (twice as many as the
-budget holds at the average cluster size, plus 8), in descending order, each taken if its keys
-still fit in the `budget` (a fraction of the context's keys).
+Which clusters a query visits: the clusters flagged `exact_read` (the outlier keys of
+`KeyClusters.build`) when the budget holds them, then its most massive clusters by estimate
+(twice as many as the budget holds at the average cluster size, plus 8), in descending order,
+each taken if its keys still fit in the `budget` (a fraction of the context's keys).
 """
 
 from __future__ import annotations
@@ -150,10 +151,37 @@ def _hermite_estimate(
 
 
 def select_clusters(
+    log_mass: torch.Tensor,
+    counts: torch.Tensor,
+    budget_keys: float,
+    exact_read: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clusters each query visits, as `(query, cluster)` pairs: the clusters flagged
+    `exact_read` (by every query, when their keys fit in `budget_keys`; otherwise they are
+    ordinary clusters), then its most massive other clusters by estimate, in descending order,
+    each taken if its keys still fit in what the budget leaves."""
+    if exact_read is None or not bool(exact_read.any()):
+        return _most_massive(log_mass, counts, budget_keys)
+    forced = exact_read.nonzero().squeeze(-1)
+    forced_keys = float(counts[forced].sum())
+    if forced_keys > budget_keys:
+        return _most_massive(log_mass, counts, budget_keys)
+    budget_keys -= forced_keys
+    pair_query, pair_cluster = _most_massive(
+        log_mass, counts.masked_fill(exact_read, 0), budget_keys
+    )
+    every_query = torch.arange(log_mass.shape[0], device=log_mass.device)
+    return (
+        torch.cat([every_query.repeat_interleave(len(forced)), pair_query]),
+        torch.cat([forced.repeat(log_mass.shape[0]), pair_cluster]),
+    )
+
+
+def _most_massive(
     log_mass: torch.Tensor, counts: torch.Tensor, budget_keys: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
-    by estimate, in descending order, each taken if its keys still fit in `budget_keys`."""
+    """Each query's most massive clusters of non-zero size, in descending order, each taken
+    if its keys still fit in `budget_keys`."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
@@ -226,7 +254,9 @@ def tail_attention(
     for start in range(0, qw.shape[0], query_block):
         block = qw[start : start + query_block]
         log_mass, shift_terms = estimate_clusters(block, clusters, counts)
-        pair_query, pair_cluster = select_clusters(log_mass, counts, budget_keys)
+        pair_query, pair_cluster = select_clusters(
+            log_mass, counts, budget_keys, clusters.exact_read
+        )
         parts = [_visited_attention(block, clusters, pair_query, pair_cluster, is_always)]
         if n_always:
             parts.append(softmax_attend(geometry.score(block, always_keys), always_values))

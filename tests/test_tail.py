@@ -18,7 +18,12 @@ from rewa.index import (
     retrieval_attention,
     tail_attention,
 )
-from rewa.index.tail import _blocked_partials, _merge_partials, _per_cluster_partials
+from rewa.index.tail import (
+    _blocked_partials,
+    _merge_partials,
+    _per_cluster_partials,
+    select_clusters,
+)
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
@@ -115,7 +120,8 @@ def test_the_dot_product_estimate_is_unbiased_for_gaussian_keys_and_values():
     v = k @ projection + 0.1 * torch.randn(n, 3, generator=generator, dtype=torch.float64)
     q = torch.randn(20, dim, generator=generator, dtype=torch.float64)
     g = make_geometry("dot", dim).double()
-    clusters = _clusters(k, v, g, n_clusters=1, rank=dim)
+    # No outlier cluster: the estimator itself, over every key, is what is tested.
+    clusters = _clusters(k, v, g, n_clusters=1, rank=dim, outliers=0)
     with torch.no_grad():
         out, lse = tail_attention(q, clusters, budget=0.0)
         expected_out, expected_lse = dense_attention(q, k, v, g)
@@ -210,9 +216,10 @@ def test_keys_read_respect_the_budget():
 def test_clusters_serialise_round_trip():
     g = build_geometry("poincare", 8)
     q, k, v = _inputs()
-    clusters = _clusters(k, v, g, n_clusters=7, rank=3)
+    clusters = _clusters(k, v, g, n_clusters=7, rank=3, outliers=0.02)
+    assert clusters.exact_read.any()
     restored = KeyClusters.from_bytes(clusters.to_bytes(), g)
-    for name in ("order", "offsets", "keys_w", "factor", "value_cross", "radius"):
+    for name in ("order", "offsets", "keys_w", "factor", "value_cross", "radius", "exact_read"):
         assert torch.equal(getattr(restored, name), getattr(clusters, name))
     with torch.no_grad():
         first = tail_attention(q, clusters, budget=0.1)
@@ -220,7 +227,7 @@ def test_clusters_serialise_round_trip():
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
     stranger = io.BytesIO()
     np.savez(stranger, order=clusters.order.numpy())
-    with pytest.raises(ValueError, match="format 2, got format 1"):
+    with pytest.raises(ValueError, match=f"format {KeyClusters.FORMAT}, got format 1"):
         KeyClusters.from_bytes(stranger.getvalue(), g)
     stranger = io.BytesIO()
     np.savez(stranger, format=np.array(KeyClusters.FORMAT), order=clusters.order.numpy())
@@ -296,3 +303,65 @@ def test_bad_inputs_are_rejected():
         KeyClusters.build(k, v, g, n_clusters=401)
     with pytest.raises(ValueError, match="same n"):
         KeyClusters.build(k, v[:5], g)
+    for outliers in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="outliers"):
+            KeyClusters.build(k, v, g, outliers=outliers)
+
+
+def _planted_outliers(n_keys=2000, n_far=20, dim=8, seed=5):
+    """Gaussian keys with `n_far` of them pushed far out (ids `n_keys - n_far` on), values
+    Gaussian, queries Gaussian (float64)."""
+    generator = torch.Generator().manual_seed(seed)
+    k = torch.randn(n_keys, dim, generator=generator, dtype=torch.float64)
+    k[n_keys - n_far :] *= 4
+    v = torch.randn(n_keys, 4, generator=generator, dtype=torch.float64)
+    q = torch.randn(64, dim, generator=generator, dtype=torch.float64)
+    return q, k, v
+
+
+def test_outlier_keys_form_one_cluster_that_every_query_reads_first():
+    q, k, v = _planted_outliers()
+    g = make_geometry("dot", 8).double()
+    clusters = _clusters(k, v, g, n_clusters=8, outliers=0.01)
+    assert clusters.exact_read.tolist() == [False] * 8 + [True]
+    first, last = clusters.offsets[-2:].tolist()
+    assert sorted(clusters.order[first:last].tolist()) == list(range(1980, 2000))
+    assert int(clusters.counts[-1]) == 20
+    with torch.no_grad():
+        report = {}
+        tail_attention(q, clusters, budget=0.05, report=report)
+        # Every query read the 20 outliers; the rest of the budget went to ordinary clusters.
+        visited = {}
+        log_mass, _ = estimate_clusters(g.witness(q), clusters)
+        pairs = select_clusters(log_mass, clusters.counts, 0.05 * 2000, clusters.exact_read)
+        for query, cluster in zip(*(p.tolist() for p in pairs), strict=True):
+            visited.setdefault(query, []).append(cluster)
+        assert all(clusters_of[0] == 8 for clusters_of in visited.values())
+        assert len(visited) == 64 and (report["keys_read"] >= 20).all()
+        assert (report["keys_read"] <= 0.05 * 2000).all()
+        # A budget that cannot hold them: the outlier cluster is an ordinary one.
+        tail_attention(q, clusters, budget=10 / 2000, report=report)
+        assert (report["keys_read"] <= 10).all()
+        # Reading everything is still exactly dense attention.
+        out, lse = tail_attention(q, clusters, budget=1.0)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
+
+
+def test_reading_far_keys_exactly_lowers_the_error_of_heavy_tailed_clusters():
+    q, k, v = _planted_outliers()
+    g = make_geometry("dot", 8).double()
+    with torch.no_grad():
+        expected = dense_attention(q, k, v, g)
+        errors = {}
+        for outliers in (0.0, 0.01):
+            clusters = _clusters(k, v, g, n_clusters=40, outliers=outliers)
+            report = {}
+            out, lse = tail_attention(q, clusters, budget=0.05, report=report)
+            errors[outliers] = quality(out, lse, *expected, report["keys_read"], 2000)
+    print(f"\nplanted far keys, 5 % read: without {errors[0.0]}, with {errors[0.01]}")
+    # The comparison is at no more keys read with the outliers than without.
+    assert errors[0.01]["keys_read_frac"] <= errors[0.0]["keys_read_frac"] <= 0.05
+    assert errors[0.01]["err_median"] < 0.5 * errors[0.0]["err_median"]
+    assert errors[0.01]["lse_abs_err_median"] < 0.5 * errors[0.0]["lse_abs_err_median"]
