@@ -25,15 +25,15 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
   the variance's (rank 4 and full within 0.002);
 - the keys' witnesses and values sorted by cluster (`offsets` delimit each cluster), which
   the exact part of tail attention reads;
-- `exact_read` `(nc,)`: clusters that every query reads exactly, before any other, when the
-  budget holds them (`tail.select_clusters`). `build` puts the `outliers` fraction of keys
-  farthest from their k-means centre (0.1 % by default) into one such cluster, the last: a few
-  far keys make a cluster's logits heavy-tailed where the Gaussian estimate assumes a light
-  tail. On the `text` heads of `benchmarks/tail.py` (dot product, 1 % of keys read, the same
-  k-means clusters with and without; ad-hoc script) this lowered the worst heads' p99 error
-  (head 8: 0.160 -> 0.136, head 9: 0.123 -> 0.107) and left the others within noise; keys far
-  from their centre in absolute distance did better than in distance relative to their
-  cluster's spread, or than the keys of largest norm.
+- `exact_read` `(nc,)`: clusters that every query reads exactly, right after its most massive
+  cluster, when the budget holds them (`tail.select_clusters`). `build` puts the `outliers`
+  fraction of keys farthest from their k-means centre (0.1 % by default) into one such
+  cluster, the last: a few far keys make a cluster's logits heavy-tailed where the Gaussian
+  estimate assumes a light tail. On the `text` heads of `benchmarks/tail.py` (dot product,
+  1 % of keys read, the same k-means clusters with and without; ad-hoc script) this lowered
+  the worst heads' p99 error (head 8: 0.160 -> 0.136, head 9: 0.123 -> 0.107) and left the
+  others within noise; keys far from their centre in absolute distance did better than in
+  distance relative to their cluster's spread, or than the keys of largest norm.
 
 `to_bytes` / `from_bytes` serialise everything but the geometry (numpy `.npz`, no pickle).
 """
@@ -109,7 +109,7 @@ class KeyClusters:
     radius: torch.Tensor  # (nc, P)
     value_mean: torch.Tensor  # (nc, dv)
     value_cross: torch.Tensor  # (nc, D, dv)
-    exact_read: torch.Tensor  # (nc,) bool: read exactly by every query first (budget allowing)
+    exact_read: torch.Tensor  # (nc,) bool: read exactly by every query (budget allowing)
 
     # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read.
     FORMAT = 3
@@ -152,7 +152,7 @@ class KeyClusters:
         statistics. `n_clusters` defaults to ceil(n / 512); `rank` is the covariance basis size
         (capped at the feature dimension, which keeps the full covariance); the fraction
         `outliers` of the keys, those farthest from their cluster's centre, form one more
-        cluster, which every query reads first (module docstring)."""
+        cluster, which every query reads (module docstring)."""
         if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
             raise ValueError(
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "

@@ -34,10 +34,12 @@ Limits where the estimate is exact: a cluster of one key or of identical keys (z
 (`log E exp(scale s) = scale s_bar + scale^2 var / 2`); the log-partition is exact when every
 cluster is visited.
 
-Which clusters a query visits: the clusters flagged `exact_read` (the outlier keys of
-`KeyClusters.build`) when the budget holds them, then its most massive clusters by estimate
-(twice as many as the budget holds at the average cluster size, plus 8), in descending order,
-each taken if its keys still fit in the `budget` (a fraction of the context's keys).
+Which clusters a query visits: its most massive clusters by estimate (twice as many as the
+budget holds at the average cluster size, plus 8), in descending order, each taken if its keys
+still fit in the `budget` (a fraction of the context's keys), with the clusters flagged
+`exact_read` (the outlier keys of `KeyClusters.build`) right after the most massive one: at
+the smallest budgets the query's own cluster goes first (on `clustered` / sphere at 0.5 %,
+putting the outliers before it raised the median error from 0.02 to 0.50).
 """
 
 from __future__ import annotations
@@ -156,48 +158,35 @@ def select_clusters(
     budget_keys: float,
     exact_read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clusters each query visits, as `(query, cluster)` pairs: the clusters flagged
-    `exact_read` (by every query, when their keys fit in `budget_keys`; otherwise they are
-    ordinary clusters), then its most massive other clusters by estimate, in descending order,
-    each taken if its keys still fit in what the budget leaves."""
-    if exact_read is None or not bool(exact_read.any()):
-        return _most_massive(log_mass, counts, budget_keys)
-    forced = exact_read.nonzero().squeeze(-1)
-    forced_keys = float(counts[forced].sum())
-    if forced_keys > budget_keys:
-        return _most_massive(log_mass, counts, budget_keys)
-    budget_keys -= forced_keys
-    pair_query, pair_cluster = _most_massive(
-        log_mass, counts.masked_fill(exact_read, 0), budget_keys
-    )
-    every_query = torch.arange(log_mass.shape[0], device=log_mass.device)
-    return (
-        torch.cat([every_query.repeat_interleave(len(forced)), pair_query]),
-        torch.cat([forced.repeat(log_mass.shape[0]), pair_cluster]),
-    )
-
-
-def _most_massive(
-    log_mass: torch.Tensor, counts: torch.Tensor, budget_keys: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's most massive clusters of non-zero size, in descending order, each taken
-    if its keys still fit in `budget_keys`."""
+    """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
+    by estimate, in descending order, each taken if its keys still fit in `budget_keys`. The
+    clusters flagged `exact_read` come right after each query's most massive cluster, whatever
+    their estimate: read by every query whose budget holds them besides that cluster."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
+    n_queries = log_mass.shape[0]
+    forced = None if exact_read is None else exact_read.nonzero().squeeze(-1)
+    ordinary_counts = counts
+    if forced is not None and len(forced):
+        log_mass = log_mass.index_fill(-1, forced, float("-inf"))
+        ordinary_counts = counts.index_fill(0, forced, 0)
     # The greedy walk looks at the most massive clusters only: twice as many as the budget
     # holds at the average cluster size, plus a few.
-    average = float(counts.sum()) / max(int((counts > 0).sum()), 1)
+    average = float(ordinary_counts.sum()) / max(int((ordinary_counts > 0).sum()), 1)
     width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
     best = log_mass.topk(width, dim=-1).indices
-    sizes = counts[best]
+    sizes = ordinary_counts[best]
+    if forced is not None and len(forced):
+        best = torch.cat([best[:, :1], forced.expand(n_queries, -1), best[:, 1:]], dim=1)
+        sizes = torch.cat([sizes[:, :1], counts[forced].expand(n_queries, -1), sizes[:, 1:]], dim=1)
     if sizes.device.type == "cpu":
         # The walk is `width` steps of a few small operations each: numpy's cost 1-2 us less
         # per operation than PyTorch's.
         sizes = sizes.detach().numpy()
     chosen = sizes > 0  # overwritten column by column
     remaining = sizes[:, 0] * 0 + budget_keys
-    for column in range(width):
+    for column in range(sizes.shape[1]):
         size = sizes[:, column]
         chosen[:, column] = (size <= remaining) & (size > 0)
         remaining = remaining - size * chosen[:, column]
