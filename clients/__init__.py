@@ -1,2 +1,16 @@
-"""rewa.clients: the HTTP client, CLI and LLM-pipeline integration. Built by the issue "Python
-client, CLI, and the LLM-pipeline external-memory integration"."""
+"""rewa.clients: the HTTP clients (`Client`, `AsyncClient`), the `rewa` command line, and the
+LLM-pipeline integration (`RemoteMemory`, `merge_attention`)."""
+
+from .http import AsyncClient, AttendResult, Client, RewaConnectionError, RewaError, SearchResult
+from .memory import RemoteMemory, merge_attention
+
+__all__ = [
+    "AsyncClient",
+    "AttendResult",
+    "Client",
+    "RemoteMemory",
+    "RewaConnectionError",
+    "RewaError",
+    "SearchResult",
+    "merge_attention",
+]

@@ -1,0 +1,557 @@
+"""The HTTP clients of the rewa service: `Client` (blocking) and `AsyncClient` (asyncio), on
+httpx.
+
+Every endpoint is written once, as a generator in `_Operations` that yields `_Request`s and
+receives the responses; `Client` and `AsyncClient` only send what it yields, so both have the
+same methods with the same arguments and results.
+
+Tensors go in as numpy arrays or torch tensors (any float dtype; sent in float32, or in the
+context's dtype for uploads) and come back as torch tensors when the input was one, else as
+numpy arrays. Upload chunks of more than `BINARY_THRESHOLD` bytes travel as raw
+`application/octet-stream` bodies, smaller ones as base64 JSON.
+
+Failures raise `RewaError` (the server's `{"error": {"type", "message", "param"}}` and status)
+or its subclass `RewaConnectionError` (no response). 429 and 503 answers, and connections that
+could not be opened, are retried up to `retries` times, waiting what `Retry-After` says or else
+`backoff * 2^attempt` seconds (at most `max_backoff`)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+BINARY_THRESHOLD = 64 * 1024
+DEFAULT_URL = "http://127.0.0.1:8000"
+RETRY_STATUSES = (429, 503)
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class RewaError(Exception):
+    """An error answer of the service: `status`, and the error body's `type`, `message` and
+    `param` (the offending field); `body` is the whole decoded body."""
+
+    def __init__(self, status: int | None, body: Any) -> None:
+        error = body.get("error", {}) if isinstance(body, dict) else {}
+        self.status = status
+        self.body = body
+        self.type = error.get("type")
+        self.message = error.get("message", str(body))
+        self.param = error.get("param")
+        where = f" (param {self.param})" if self.param else ""
+        super().__init__(f"{status} {self.type}: {self.message}{where}")
+
+
+class RewaConnectionError(RewaError):
+    """No answer: the connection failed or timed out."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(None, {"error": {"type": "connection", "message": str(error)}})
+
+
+# -- tensors ----------------------------------------------------------------------------------
+
+
+def is_torch(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor)
+
+
+def to_torch(tensor: Any, dtype: str = "float32") -> torch.Tensor:
+    """A contiguous CPU torch tensor of `dtype` from a numpy array or torch tensor."""
+    tensor = tensor.detach() if is_torch(tensor) else torch.from_numpy(np.asarray(tensor))
+    return tensor.to("cpu", _TORCH_DTYPES[dtype]).contiguous()
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+
+def encode_tensor(tensor: Any, dtype: str = "float32") -> dict:
+    """`{"dtype", "shape", "data"}` of a numpy array or torch tensor, sent as `dtype`."""
+    tensor = to_torch(tensor, dtype)
+    data = base64.b64encode(raw_bytes(tensor)).decode("ascii")
+    return {"dtype": dtype, "shape": list(tensor.shape), "data": data}
+
+
+def decode_tensor(payload: dict | None, as_torch: bool) -> Any:
+    """The tensor of a response's `{"dtype", "shape", "data"}` (None stays None)."""
+    if payload is None:
+        return None
+    raw = bytearray(base64.b64decode(payload["data"]))
+    dtype = {**_TORCH_DTYPES, "float64": torch.float64, "int64": torch.int64}[payload["dtype"]]
+    flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+    tensor = flat.reshape(tuple(payload["shape"]))
+    if as_torch:
+        return tensor
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+        tensor = tensor.float()
+    return tensor.numpy()
+
+
+# -- results ----------------------------------------------------------------------------------
+
+
+@dataclass
+class AttendResult:
+    """`out (heads, n, value_dim)`, `lse (heads, n)`; with `return_topk`, the best `ids` and
+    their attention `weights` `(heads, n, R)`."""
+
+    out: Any
+    lse: Any
+    mode: str
+    version: int
+    ids: Any = None
+    weights: Any = None
+
+
+@dataclass
+class SearchResult:
+    """Each query's top K `ids`, logits `scores` and, for distance geometries, `distances`."""
+
+    ids: Any
+    scores: Any
+    version: int
+    distances: Any = None
+
+
+@dataclass
+class _Request:
+    method: str
+    path: str
+    json: Any = None
+    content: bytes | None = None
+    params: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)
+    retry: bool = True  # on 429 / 503
+    accept: tuple[int, ...] = ()  # error statuses returned instead of raised
+
+    def arguments(self) -> dict:
+        arguments: dict[str, Any] = {"params": self.params, "headers": self.headers}
+        if self.json is not None:
+            arguments["json"] = self.json
+        if self.content is not None:
+            arguments["content"] = self.content
+        return arguments
+
+
+Operation = Generator[_Request, httpx.Response, Any]
+
+
+def _settings(**options: Any) -> dict:
+    """The request fields that were given (None: the context's default)."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
+def _json(response: httpx.Response) -> Any:
+    return response.json()
+
+
+class _Operations:
+    """Every endpoint, as a generator of requests (module docstring)."""
+
+    # -- probes -----------------------------------------------------------------------------
+
+    def livez(self) -> Operation:
+        """`True` when the process answers."""
+        response = yield _Request("GET", "/livez")
+        return response.json()["status"] == "ok"
+
+    def ready(self) -> Operation:
+        """`True` when the server is ready (store reachable), `False` on 503; not retried."""
+        response = yield _Request("GET", "/readyz", retry=False, accept=(503,))
+        return response.status_code == 200
+
+    def metrics(self) -> Operation:
+        """The Prometheus metrics text."""
+        response = yield _Request("GET", "/metrics")
+        return response.text
+
+    # -- contexts ---------------------------------------------------------------------------
+
+    def create_context(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        geometry: str | dict = "dot",
+        value_dim: int | None = None,
+        dtype: str = "float32",
+        index: dict | None = None,
+        name: str | None = None,
+    ) -> Operation:
+        """Create an empty context; `geometry` is a name or `{"name", **options}`, `index`
+        the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`)."""
+        spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
+        body = {"geometry": spec, "heads": heads, "head_dim": head_dim, "dtype": dtype}
+        body |= _settings(value_dim=value_dim, index=index, name=name)
+        response = yield _Request("POST", "/v1/contexts", json=body)
+        return response.json()
+
+    def list_contexts(self) -> Operation:
+        response = yield _Request("GET", "/v1/contexts")
+        return response.json()["contexts"]
+
+    def get_context(self, context_id: str) -> Operation:
+        response = yield _Request("GET", f"/v1/contexts/{context_id}")
+        return response.json()
+
+    def delete_context(self, context_id: str) -> Operation:
+        yield _Request("DELETE", f"/v1/contexts/{context_id}")
+
+    # -- uploads ----------------------------------------------------------------------------
+
+    def begin_upload(self, context_id: str) -> Operation:
+        """Open an upload; returns its id."""
+        response = yield _Request("POST", f"/v1/contexts/{context_id}/uploads")
+        return response.json()["upload_id"]
+
+    def add_chunk(
+        self, context_id: str, upload_id: str, keys: Any, values: Any, dtype: str = "float32"
+    ) -> Operation:
+        """Append keys `(heads, n, head_dim)` and values `(heads, n, value_dim)`, sent in
+        `dtype` (the context's); raw bytes above `BINARY_THRESHOLD`, else JSON."""
+        keys, values = to_torch(keys, dtype), to_torch(values, dtype)
+        path = f"/v1/contexts/{context_id}/uploads/{upload_id}/chunks"
+        if keys.nbytes + values.nbytes > BINARY_THRESHOLD:
+            request = _Request(
+                "POST",
+                path,
+                content=raw_bytes(keys) + raw_bytes(values),
+                params={"tokens": keys.shape[1]},
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        else:
+            body = {"keys": encode_tensor(keys, dtype), "values": encode_tensor(values, dtype)}
+            request = _Request("POST", path, json=body)
+        response = yield request
+        return response.json()
+
+    def get_upload(self, context_id: str, upload_id: str) -> Operation:
+        response = yield _Request("GET", f"/v1/contexts/{context_id}/uploads/{upload_id}")
+        return response.json()
+
+    def commit_upload(self, context_id: str, upload_id: str) -> Operation:
+        """Make the upload's tokens visible, atomically; returns the context."""
+        path = f"/v1/contexts/{context_id}/uploads/{upload_id}/commit"
+        response = yield _Request("POST", path)
+        return response.json()
+
+    def abort_upload(self, context_id: str, upload_id: str) -> Operation:
+        yield _Request("DELETE", f"/v1/contexts/{context_id}/uploads/{upload_id}")
+
+    def upload(
+        self,
+        context_id: str,
+        keys: Any,
+        values: Any,
+        *,
+        chunk_tokens: int = 8192,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> Operation:
+        """Append keys `(heads, N, head_dim)` and values `(heads, N, value_dim)` in chunks of
+        `chunk_tokens` and commit them as one new version; returns the context. On any failure
+        the upload is aborted (nothing of it becomes visible) and the error raised.
+        `progress(tokens_sent, total)` after every chunk."""
+        if chunk_tokens < 1:
+            raise ValueError(f"expected chunk_tokens >= 1, got {chunk_tokens}")
+        # `_Operations.` explicitly: on a client, `self.get_context` is the sending method.
+        context = yield from _Operations.get_context(self, context_id)
+        upload_id = yield from _Operations.begin_upload(self, context_id)
+        total = keys.shape[1]
+        try:
+            for start in range(0, total, chunk_tokens):
+                end = min(start + chunk_tokens, total)
+                yield from _Operations.add_chunk(
+                    self,
+                    context_id,
+                    upload_id,
+                    keys[:, start:end],
+                    values[:, start:end],
+                    context["dtype"],
+                )
+                if progress is not None:
+                    progress(end, total)
+            return (yield from _Operations.commit_upload(self, context_id, upload_id))
+        except Exception:
+            with contextlib.suppress(RewaError):  # if not, the upload expires on its own
+                yield from _Operations.abort_upload(self, context_id, upload_id)
+            raise
+
+    # -- attention --------------------------------------------------------------------------
+
+    def attend(
+        self,
+        context_id: str,
+        queries: Any,
+        *,
+        mode: str | None = None,
+        exact: bool = False,
+        k: int | None = None,
+        budget: float | None = None,
+        window: int | None = None,
+        sinks: int | None = None,
+        return_topk: int | None = None,
+    ) -> Operation:
+        """Attention of queries `(heads, n, head_dim)` over the stored context: an
+        `AttendResult`. `mode` tail (the server's default), topk or exact."""
+        body = {"queries": encode_tensor(queries), "exact": exact}
+        body |= _settings(
+            mode=mode, k=k, budget=budget, window=window, sinks=sinks, return_topk=return_topk
+        )
+        response = yield _Request("POST", f"/v1/contexts/{context_id}/attend", json=body)
+        found, as_torch = response.json(), is_torch(queries)
+        return AttendResult(
+            out=decode_tensor(found["out"], as_torch),
+            lse=decode_tensor(found["lse"], as_torch),
+            mode=found["mode"],
+            version=found["version"],
+            ids=decode_tensor(found.get("ids"), as_torch),
+            weights=decode_tensor(found.get("weights"), as_torch),
+        )
+
+    def search(
+        self, context_id: str, queries: Any, k: int = 10, *, exact: bool = False
+    ) -> Operation:
+        """Each query's top `k` keys: a `SearchResult`."""
+        body = {"queries": encode_tensor(queries), "k": k, "exact": exact}
+        response = yield _Request("POST", f"/v1/contexts/{context_id}/search", json=body)
+        found, as_torch = response.json(), is_torch(queries)
+        return SearchResult(
+            ids=decode_tensor(found["ids"], as_torch),
+            scores=decode_tensor(found["scores"], as_torch),
+            version=found["version"],
+            distances=decode_tensor(found.get("distances"), as_torch),
+        )
+
+    def self_attention(
+        self,
+        context_id: str,
+        *,
+        queries: Any = None,
+        start: int = 0,
+        end: int | None = None,
+        causal: bool = False,
+        mode: str | None = None,
+        exact: bool = False,
+        k: int | None = None,
+        budget: float | None = None,
+        window: int | None = None,
+        sinks: int | None = None,
+    ) -> Operation:
+        """Rows `[start, end)` of the stored context attend over it (`queries` for those rows,
+        or the stored keys): an `AttendResult`."""
+        body: dict[str, Any] = {"start": start, "causal": causal, "exact": exact}
+        if queries is not None:
+            body["queries"] = encode_tensor(queries)
+        body |= _settings(end=end, mode=mode, k=k, budget=budget, window=window, sinks=sinks)
+        path = f"/v1/contexts/{context_id}/self-attention"
+        response = yield _Request("POST", path, json=body)
+        found, as_torch = response.json(), is_torch(queries)
+        return AttendResult(
+            out=decode_tensor(found["out"], as_torch),
+            lse=decode_tensor(found["lse"], as_torch),
+            mode=found["mode"],
+            version=found["version"],
+        )
+
+    def attend_inline(
+        self, q: Any, k: Any, v: Any, *, geometry: str | dict = "dot", causal: bool = False
+    ) -> Operation:
+        """Stateless exact attention over small inline `q (heads, nq, d)`, `k (heads, nk, d)`,
+        `v (heads, nk, dv)`: `(out, lse)`."""
+        spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
+        body = {
+            "geometry": spec,
+            "q": encode_tensor(q),
+            "k": encode_tensor(k),
+            "v": encode_tensor(v),
+            "causal": causal,
+        }
+        response = yield _Request("POST", "/v1/attend", json=body)
+        found, as_torch = response.json(), is_torch(q)
+        return decode_tensor(found["out"], as_torch), decode_tensor(found["lse"], as_torch)
+
+
+OPERATIONS = [name for name, value in vars(_Operations).items() if callable(value)]
+OPERATIONS = [name for name in OPERATIONS if not name.startswith("_")]
+
+
+class _Base(_Operations):
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        retries: int = 5,
+        backoff: float = 0.2,
+        max_backoff: float = 10.0,
+    ) -> None:
+        if retries < 0:
+            raise ValueError(f"expected retries >= 0, got {retries}")
+        self.url = url.rstrip("/")
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+
+    def _wait(self, attempt: int, response: httpx.Response | None) -> float:
+        """Seconds before retry `attempt` (0-based): `Retry-After` when the server gave one."""
+        if response is not None:
+            try:
+                return min(float(response.headers["Retry-After"]), self.max_backoff)
+            except (KeyError, ValueError):
+                pass
+        return min(self.backoff * 2**attempt, self.max_backoff)
+
+    def _verdict(self, request: _Request, response: httpx.Response, attempt: int) -> str:
+        """`retry`, `return` or `raise` for an answer to attempt `attempt`."""
+        if response.status_code in RETRY_STATUSES and request.retry and attempt < self.retries:
+            return "retry"
+        if response.status_code < 400 or response.status_code in request.accept:
+            return "return"
+        return "raise"
+
+
+def _error(response: httpx.Response) -> RewaError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": {"type": "http", "message": response.text[:500]}}
+    return RewaError(response.status_code, body)
+
+
+class Client(_Base):
+    """Blocking client (module docstring); use as a context manager or call `close()`."""
+
+    def __init__(self, url: str = DEFAULT_URL, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=self.timeout)
+
+    def _send(self, request: _Request) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = self.http.request(request.method, request.path, **request.arguments())
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                if attempt >= self.retries:
+                    raise RewaConnectionError(error) from None
+                time.sleep(self._wait(attempt, None))
+                attempt += 1
+                continue
+            except httpx.TransportError as error:
+                raise RewaConnectionError(error) from None
+            verdict = self._verdict(request, response, attempt)
+            if verdict == "return":
+                return response
+            if verdict == "raise":
+                raise _error(response)
+            time.sleep(self._wait(attempt, response))
+            attempt += 1
+
+    def _run(self, operation: Operation) -> Any:
+        try:
+            request = next(operation)
+            while True:
+                try:
+                    response = self._send(request)
+                except RewaError as error:
+                    request = operation.throw(error)
+                else:
+                    request = operation.send(response)
+        except StopIteration as done:
+            return done.value
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    """asyncio client with the same methods as `Client`, each awaited; use as an async
+    context manager or await `aclose()`."""
+
+    def __init__(self, url: str = DEFAULT_URL, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=self.timeout)
+
+    async def _send(self, request: _Request) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = await self.http.request(
+                    request.method, request.path, **request.arguments()
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
+                if attempt >= self.retries:
+                    raise RewaConnectionError(error) from None
+                await asyncio.sleep(self._wait(attempt, None))
+                attempt += 1
+                continue
+            except httpx.TransportError as error:
+                raise RewaConnectionError(error) from None
+            verdict = self._verdict(request, response, attempt)
+            if verdict == "return":
+                return response
+            if verdict == "raise":
+                raise _error(response)
+            await asyncio.sleep(self._wait(attempt, response))
+            attempt += 1
+
+    async def _run(self, operation: Operation) -> Any:
+        try:
+            request = next(operation)
+            while True:
+                try:
+                    response = await self._send(request)
+                except RewaError as error:
+                    request = operation.throw(error)
+                else:
+                    request = operation.send(response)
+        except StopIteration as done:
+            return done.value
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+
+def _blocking(operation: Callable[..., Operation]) -> Callable[..., Any]:
+    @functools.wraps(operation)
+    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
+        return self._run(operation(self, *args, **kwargs))
+
+    return method
+
+
+def _awaitable(operation: Callable[..., Operation]) -> Callable[..., Any]:
+    @functools.wraps(operation)
+    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+        return await self._run(operation(self, *args, **kwargs))
+
+    return method
+
+
+for _name in OPERATIONS:
+    setattr(Client, _name, _blocking(getattr(_Operations, _name)))
+    setattr(AsyncClient, _name, _awaitable(getattr(_Operations, _name)))

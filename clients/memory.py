@@ -1,0 +1,50 @@
+"""`RemoteMemory`: a stored context as an external memory of a local model.
+
+A layer that attends a local window of keys exactly can add a long remote context without
+holding it: `RemoteMemory` sends the layer's queries to the service and gets back `(out, lse)`,
+and `merge_attention` (SPEC 7) combines them with the local attention's `(out, lse)` exactly, as
+if one softmax had covered both key sets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from rewa.attention import merge_attention
+
+from .http import Client
+
+__all__ = ["RemoteMemory", "merge_attention"]
+
+
+class RemoteMemory(nn.Module):
+    """Attention of queries `(heads, n, head_dim)` over the context `context_id` of a rewa
+    service: `forward(queries) -> (out (heads, n, value_dim), lse (heads, n))`, on the queries'
+    device and dtype. `mode` and the other options are the attend endpoint's (`tail` by
+    default; `exact` for dense attention over the whole context).
+
+    The remote keys and values are constants and no gradient flows through the HTTP call: the
+    outputs are detached. Use it where the memory is read, not trained."""
+
+    def __init__(self, client: Client, context_id: str, *, mode: str = "tail", **options: Any):
+        super().__init__()
+        self.client = client
+        self.context_id = context_id
+        self.mode = mode
+        self.options = options
+
+    def forward(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if queries.dim() != 3:
+            raise ValueError(f"expected queries (heads, n, head_dim), got {tuple(queries.shape)}")
+        result = self.client.attend(
+            self.context_id, queries.detach(), mode=self.mode, **self.options
+        )
+        return (
+            result.out.to(queries.device, queries.dtype),
+            result.lse.to(queries.device, queries.dtype),
+        )
+
+    def extra_repr(self) -> str:
+        return f"context_id={self.context_id!r}, mode={self.mode!r}, url={self.client.url!r}"
