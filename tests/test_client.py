@@ -1,0 +1,279 @@
+"""`rewa.clients` against a live `rewa serve`: every method of `Client` and `AsyncClient`,
+error mapping, retries on 429 / 503 (a stub server), the CLI commands end to end, and
+`RemoteMemory` merged with local attention equal to dense attention."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import threading
+import time
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.clients import (
+    AsyncClient,
+    Client,
+    RemoteMemory,
+    RewaConnectionError,
+    RewaError,
+    cli,
+    merge_attention,
+)
+from rewa.index import exact_topk
+from tests.service_support import Server, free_port
+
+H, N, D = 2, 1200, 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = Server(data_dir=tmp_path_factory.mktemp("data")).start()
+    yield running
+    running.kill()
+
+
+@pytest.fixture(scope="module")
+def data():
+    generator = torch.Generator().manual_seed(11)
+    keys = torch.randn(H, N, D, generator=generator)
+    values = torch.randn(H, N, D, generator=generator)
+    queries = torch.randn(H, 4, D, generator=generator)
+    return keys, values, queries
+
+
+def _close(actual, expected, atol=2e-5):
+    torch.testing.assert_close(torch.as_tensor(actual), expected, rtol=1e-4, atol=atol)
+
+
+def test_the_client_covers_every_endpoint_and_matches_the_library(server, data):
+    keys, values, queries = data
+    geometry = make_geometry("dot", D)
+    with Client(server.url) as client:
+        assert client.livez() and client.ready()
+        context = client.create_context(H, D, name="doc", index={"kind": "flat", "k": 32})
+        assert context["n_tokens"] == 0
+        assert context["id"] in [c["id"] for c in client.list_contexts()]
+        # Small chunks travel as JSON, large ones as raw bytes; numpy and torch both go in.
+        seen = []
+        first_keys, first_values = keys[:, :200].numpy(), values[:, :200].numpy()
+        client.upload(context["id"], first_keys, first_values, chunk_tokens=100,
+                      progress=lambda done, total: seen.append((done, total)))  # fmt: skip
+        assert seen == [(100, 200), (200, 200)]
+        committed = client.upload(context["id"], keys[:, 200:], values[:, 200:], chunk_tokens=600)
+        assert (committed["n_tokens"], committed["version"]) == (N, 2)
+        assert client.get_context(context["id"])["n_tokens"] == N
+
+        expected_out, expected_lse = dense_attention(queries, keys, values, geometry)
+        result = client.attend(context["id"], queries, exact=True, return_topk=5)
+        assert isinstance(result.out, torch.Tensor) and result.mode == "exact"
+        _close(result.out, expected_out)
+        _close(result.lse, expected_lse)
+        best = torch.stack([exact_topk(queries[h], keys[h], geometry, 5) for h in range(H)])
+        assert torch.equal(result.ids, best)
+        as_numpy = client.attend(context["id"], queries.numpy(), mode="exact")
+        assert isinstance(as_numpy.out, np.ndarray)
+        _close(as_numpy.out, expected_out)
+        tail = client.attend(context["id"], queries)  # the default mode
+        assert tail.mode == "tail" and tail.out.shape == (H, 4, D)
+
+        found = client.search(context["id"], queries, 5, exact=True)
+        assert torch.equal(found.ids, best) and found.version == 2
+
+        rows = client.self_attention(context["id"], start=10, end=20, exact=True)
+        expected_rows = dense_attention(keys[:, 10:20], keys, values, geometry)
+        _close(rows.out, expected_rows[0])
+        _close(rows.lse, expected_rows[1])
+
+        small_q, small_k, small_v = queries, keys[:, :50], values[:, :50]
+        out, lse = client.attend_inline(small_q, small_k, small_v, geometry="dot")
+        expected_small = dense_attention(small_q, small_k, small_v, geometry)
+        _close(out, expected_small[0])
+        _close(lse, expected_small[1])
+
+        upload_id = client.begin_upload(context["id"])
+        client.add_chunk(context["id"], upload_id, keys[:, :10], values[:, :10])
+        assert client.get_upload(context["id"], upload_id)["n_tokens"] == 10
+        client.abort_upload(context["id"], upload_id)
+        assert client.get_context(context["id"])["n_tokens"] == N
+        assert "rewa_requests_total" in client.metrics()
+
+        client.delete_context(context["id"])
+        with pytest.raises(RewaError) as missing:
+            client.get_context(context["id"])
+        assert missing.value.status == 404 and missing.value.param == "context_id"
+
+
+def test_the_async_client_has_the_same_methods(server, data):
+    keys, values, queries = data
+    geometry = make_geometry("dot", D)
+
+    async def scenario():
+        async with AsyncClient(server.url) as client:
+            assert await client.livez()
+            context = await client.create_context(H, D)
+            await client.upload(context["id"], keys, values, chunk_tokens=500)
+            results = await asyncio.gather(
+                *(client.attend(context["id"], queries, exact=True) for _ in range(4))
+            )
+            await client.delete_context(context["id"])
+            return results
+
+    expected_out, _ = dense_attention(queries, keys, values, geometry)
+    for result in asyncio.run(scenario()):
+        _close(result.out, expected_out)
+
+
+def test_errors_carry_the_servers_body_and_a_failed_upload_leaves_nothing(server, data):
+    keys, values, queries = data
+    with Client(server.url) as client:
+        context = client.create_context(H, D)
+        with pytest.raises(RewaError) as wrong_values:
+            client.upload(context["id"], keys, values[:, :, :8], chunk_tokens=400)
+        assert wrong_values.value.status == 400
+        assert "values" in wrong_values.value.param
+        assert "expected" in wrong_values.value.message
+        assert client.get_context(context["id"])["n_tokens"] == 0
+        client.upload(context["id"], keys, values)
+        with pytest.raises(RewaError) as wrong_dim:
+            client.attend(context["id"], queries[:, :, :8])
+        assert wrong_dim.value.status == 400 and wrong_dim.value.type is not None
+        with pytest.raises(RewaError, match="404"):
+            client.attend("no-such-context", queries)
+        client.delete_context(context["id"])
+    nobody = Client(f"http://127.0.0.1:{free_port()}", retries=1, backoff=0.01)
+    with nobody, pytest.raises(RewaConnectionError):
+        nobody.livez()
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers `script` in order: (status, headers); then 200."""
+
+    script: ClassVar[list] = []
+    seen: ClassVar[list] = []
+
+    def do_GET(self):
+        self.seen.append(time.monotonic())
+        status, headers = self.script.pop(0) if self.script else (200, {})
+        body = json.dumps(
+            {"status": "ok"} if status == 200 else {"error": {"type": "busy", "message": "m"}}
+        ).encode()
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted():
+    stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
+    thread = threading.Thread(target=stub.serve_forever, daemon=True)
+    thread.start()
+    _Scripted.script, _Scripted.seen = [], []
+    yield f"http://127.0.0.1:{stub.server_address[1]}", _Scripted
+    stub.shutdown()
+
+
+def test_429_and_503_are_retried_after_retry_after(scripted):
+    url, handler = scripted
+    handler.script = [(429, {"Retry-After": "0.5"}), (503, {}), (200, {})]
+    with Client(url, backoff=0.05) as client:
+        assert client.livez()
+    assert len(handler.seen) == 3
+    assert handler.seen[1] - handler.seen[0] >= 0.45  # waited what Retry-After said
+    handler.script, handler.seen = [(429, {"Retry-After": "0"})] * 3, []
+    with Client(url, retries=2) as client, pytest.raises(RewaError) as busy:
+        client.livez()
+    assert busy.value.status == 429 and busy.value.type == "busy" and len(handler.seen) == 3
+
+    async def asynchronous():
+        async with AsyncClient(url, backoff=0.01) as client:
+            return await client.livez()
+
+    handler.script, handler.seen = [(503, {"Retry-After": "0"}), (200, {})], []
+    assert asyncio.run(asynchronous()) and len(handler.seen) == 2
+
+
+def test_remote_memory_merged_with_local_attention_is_dense_attention(server, data):
+    keys, values, queries = data
+    geometry = make_geometry("dot", D)
+    window = 100  # the local model holds the last 100 tokens, the service the rest
+    with Client(server.url) as client:
+        context = client.create_context(H, D)
+        client.upload(context["id"], keys[:, :-window], values[:, :-window])
+        memory = RemoteMemory(client, context["id"], mode="exact")
+        local = dense_attention(queries, keys[:, -window:], values[:, -window:], geometry)
+        out, lse = merge_attention(local, memory(queries))
+        client.delete_context(context["id"])
+    expected_out, expected_lse = dense_attention(queries, keys, values, geometry)
+    _close(out, expected_out)
+    _close(lse, expected_lse)
+
+
+def _cli(capsys, *argv) -> str:
+    cli.main(list(argv))
+    return capsys.readouterr().out
+
+
+def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
+    from safetensors.numpy import save_file
+
+    keys, values, queries = (t.numpy() for t in data)
+    url = ("--url", server.url)
+    np.savez(tmp_path / "context.npz", keys=keys, values=values)
+    created = json.loads(_cli(capsys, "upload", str(tmp_path / "context.npz"), *url, "--quiet"))
+    assert created["n_tokens"] == N
+    context_id = created["id"]
+    assert context_id in _cli(capsys, "contexts", "ls", *url)
+    assert json.loads(_cli(capsys, "contexts", "show", context_id, *url))["n_tokens"] == N
+    # Append from a pair of .npy files and from .safetensors, with the progress bar.
+    np.save(tmp_path / "k.npy", keys[:, :100])
+    np.save(tmp_path / "v.npy", values[:, :100])
+    argv = ("upload", str(tmp_path / "k.npy"), "--values", str(tmp_path / "v.npy"))
+    assert json.loads(_cli(capsys, *argv, "--context", context_id, *url))["n_tokens"] == N + 100
+    # (safetensors writes the buffer of a non-contiguous array as if it were contiguous)
+    first = {"keys": keys[:, :50].copy(), "values": values[:, :50].copy()}
+    save_file(first, str(tmp_path / "c.safetensors"))
+    argv = ("upload", str(tmp_path / "c.safetensors"), "--context", context_id, *url)
+    assert json.loads(_cli(capsys, *argv))["n_tokens"] == N + 150
+    assert "150/50" not in capsys.readouterr().err
+
+    np.save(tmp_path / "q.npy", queries)
+    argv = ("attend", context_id, str(tmp_path / "q.npy"), "--mode", "exact")
+    _cli(capsys, *argv, "--out", str(tmp_path / "out.npz"), *url)
+    all_keys = np.concatenate([keys, keys[:, :100], keys[:, :50]], axis=1)
+    all_values = np.concatenate([values, values[:, :100], values[:, :50]], axis=1)
+    expected = dense_attention(
+        torch.from_numpy(queries),
+        torch.from_numpy(all_keys),
+        torch.from_numpy(all_values),
+        make_geometry("dot", D),
+    )
+    with np.load(tmp_path / "out.npz") as saved:
+        _close(saved["out"], expected[0])
+        _close(saved["lse"], expected[1])
+    found = json.loads(_cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "-k", "3",
+                            "--exact", *url))  # fmt: skip
+    assert np.array(found["ids"]).shape == (H, 4, 3)
+
+    bench = json.loads(_cli(capsys, "bench", "--tokens", "1024", "--heads", "2", "--head-dim",
+                            "16", "--clients", "2", "--requests", "3", *url))  # fmt: skip
+    assert bench["requests_per_s"] > 0 and bench["p50_ms"] <= bench["p99_ms"]
+    assert _cli(capsys, "contexts", "rm", context_id, *url).startswith("deleted")
+    with pytest.raises(SystemExit):
+        cli.main(["contexts", "show", context_id, *url])
+    assert "404" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["upload", str(tmp_path / "k.npy"), *url])
+    assert "--values" in capsys.readouterr().err
