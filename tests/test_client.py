@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import re
 import threading
 import time
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -277,3 +279,13 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
     with pytest.raises(SystemExit):
         cli.main(["upload", str(tmp_path / "k.npy"), *url])
     assert "--values" in capsys.readouterr().err
+
+
+def test_the_readme_client_example_runs(server):
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = re.search(r"## Client and command line\n.*?```python\n(.*?)```", text, re.S)
+    namespace: dict = {}
+    exec(example.group(1), namespace)
+    out, lse = namespace["remote_attention"](server.url)
+    assert out.shape == (8, 1, 64) and lse.shape == (8, 1)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
