@@ -21,6 +21,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import itertools
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -151,8 +152,15 @@ def _settings(**options: Any) -> dict:
     return {name: value for name, value in options.items() if value is not None}
 
 
-def _json(response: httpx.Response) -> Any:
-    return response.json()
+def _attend_result(found: dict, as_torch: bool) -> AttendResult:
+    return AttendResult(
+        out=decode_tensor(found["out"], as_torch),
+        lse=decode_tensor(found["lse"], as_torch),
+        mode=found["mode"],
+        version=found["version"],
+        ids=decode_tensor(found.get("ids"), as_torch),
+        weights=decode_tensor(found.get("weights"), as_torch),
+    )
 
 
 class _Operations:
@@ -308,15 +316,7 @@ class _Operations:
             mode=mode, k=k, budget=budget, window=window, sinks=sinks, return_topk=return_topk
         )
         response = yield _Request("POST", f"/v1/contexts/{context_id}/attend", json=body)
-        found, as_torch = response.json(), is_torch(queries)
-        return AttendResult(
-            out=decode_tensor(found["out"], as_torch),
-            lse=decode_tensor(found["lse"], as_torch),
-            mode=found["mode"],
-            version=found["version"],
-            ids=decode_tensor(found.get("ids"), as_torch),
-            weights=decode_tensor(found.get("weights"), as_torch),
-        )
+        return _attend_result(response.json(), is_torch(queries))
 
     def search(
         self, context_id: str, queries: Any, k: int = 10, *, exact: bool = False
@@ -355,13 +355,7 @@ class _Operations:
         body |= _settings(end=end, mode=mode, k=k, budget=budget, window=window, sinks=sinks)
         path = f"/v1/contexts/{context_id}/self-attention"
         response = yield _Request("POST", path, json=body)
-        found, as_torch = response.json(), is_torch(queries)
-        return AttendResult(
-            out=decode_tensor(found["out"], as_torch),
-            lse=decode_tensor(found["lse"], as_torch),
-            mode=found["mode"],
-            version=found["version"],
-        )
+        return _attend_result(response.json(), is_torch(queries))
 
     def attend_inline(
         self, q: Any, k: Any, v: Any, *, geometry: str | dict = "dot", causal: bool = False
@@ -414,13 +408,23 @@ class _Base(_Operations):
                 pass
         return min(self.backoff * 2**attempt, self.max_backoff)
 
-    def _verdict(self, request: _Request, response: httpx.Response, attempt: int) -> str:
-        """`retry`, `return` or `raise` for an answer to attempt `attempt`."""
-        if response.status_code in RETRY_STATUSES and request.retry and attempt < self.retries:
-            return "retry"
-        if response.status_code < 400 or response.status_code in request.accept:
-            return "return"
-        return "raise"
+    def _after(
+        self, request: _Request, attempt: int, outcome: httpx.Response | Exception
+    ) -> httpx.Response | float:
+        """After attempt `attempt` (0-based) got `outcome` (a response, or the transport error):
+        the response to return, or the seconds to wait before the next attempt; raises
+        `RewaError` for an error answer or a failure not worth retrying."""
+        if isinstance(outcome, Exception):
+            connect = isinstance(outcome, (httpx.ConnectError, httpx.ConnectTimeout))
+            if connect and attempt < self.retries:  # nothing was sent: safe to retry
+                return self._wait(attempt, None)
+            raise RewaConnectionError(outcome) from None
+        status = outcome.status_code
+        if status in RETRY_STATUSES and request.retry and attempt < self.retries:
+            return self._wait(attempt, outcome)
+        if status < 400 or status in request.accept:
+            return outcome
+        raise _error(outcome)
 
 
 def _error(response: httpx.Response) -> RewaError:
@@ -439,25 +443,16 @@ class Client(_Base):
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=self.timeout)
 
     def _send(self, request: _Request) -> httpx.Response:
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
-                response = self.http.request(request.method, request.path, **request.arguments())
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                if attempt >= self.retries:
-                    raise RewaConnectionError(error) from None
-                time.sleep(self._wait(attempt, None))
-                attempt += 1
-                continue
+                outcome = self.http.request(request.method, request.path, **request.arguments())
             except httpx.TransportError as error:
-                raise RewaConnectionError(error) from None
-            verdict = self._verdict(request, response, attempt)
-            if verdict == "return":
-                return response
-            if verdict == "raise":
-                raise _error(response)
-            time.sleep(self._wait(attempt, response))
-            attempt += 1
+                outcome = error
+            after = self._after(request, attempt, outcome)
+            if isinstance(after, httpx.Response):
+                return after
+            time.sleep(after)
+        raise AssertionError("unreachable")
 
     def _run(self, operation: Operation) -> Any:
         try:
@@ -491,27 +486,18 @@ class AsyncClient(_Base):
         self.http = httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=self.timeout)
 
     async def _send(self, request: _Request) -> httpx.Response:
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             try:
-                response = await self.http.request(
+                outcome = await self.http.request(
                     request.method, request.path, **request.arguments()
                 )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as error:
-                if attempt >= self.retries:
-                    raise RewaConnectionError(error) from None
-                await asyncio.sleep(self._wait(attempt, None))
-                attempt += 1
-                continue
             except httpx.TransportError as error:
-                raise RewaConnectionError(error) from None
-            verdict = self._verdict(request, response, attempt)
-            if verdict == "return":
-                return response
-            if verdict == "raise":
-                raise _error(response)
-            await asyncio.sleep(self._wait(attempt, response))
-            attempt += 1
+                outcome = error
+            after = self._after(request, attempt, outcome)
+            if isinstance(after, httpx.Response):
+                return after
+            await asyncio.sleep(after)
+        raise AssertionError("unreachable")
 
     async def _run(self, operation: Operation) -> Any:
         try:
