@@ -375,8 +375,9 @@ class _Operations:
         return decode_tensor(found["out"], as_torch), decode_tensor(found["lse"], as_torch)
 
 
-OPERATIONS = [name for name, value in vars(_Operations).items() if callable(value)]
-OPERATIONS = [name for name in OPERATIONS if not name.startswith("_")]
+OPERATIONS = [
+    name for name, value in vars(_Operations).items() if callable(value) and name[0] != "_"
+]
 
 
 class _Base(_Operations):

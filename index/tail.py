@@ -167,8 +167,10 @@ def select_clusters(
         return empty, empty
     n_queries = log_mass.shape[0]
     forced = None if exact_read is None else exact_read.nonzero().squeeze(-1)
+    if forced is not None and len(forced) == 0:
+        forced = None
     ordinary_counts = counts
-    if forced is not None and len(forced):
+    if forced is not None:
         log_mass = log_mass.index_fill(-1, forced, float("-inf"))
         ordinary_counts = counts.index_fill(0, forced, 0)
     # The greedy walk looks at the most massive clusters only: twice as many as the budget
@@ -177,7 +179,7 @@ def select_clusters(
     width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
     best = log_mass.topk(width, dim=-1).indices
     sizes = ordinary_counts[best]
-    if forced is not None and len(forced):
+    if forced is not None:
         best = torch.cat([best[:, :1], forced.expand(n_queries, -1), best[:, 1:]], dim=1)
         sizes = torch.cat([sizes[:, :1], counts[forced].expand(n_queries, -1), sizes[:, 1:]], dim=1)
     if sizes.device.type == "cpu":

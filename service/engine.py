@@ -269,12 +269,20 @@ class Engine:
         if params.mode == "exact":
             out, lse = self._exact(loaded, q, positions, causal)
         else:
-            outs, lses = [], []
-            for head in range(q.shape[0]):
-                out, lse = self._sparse_head(loaded, q[head], head, params, positions, causal)
-                outs.append(out)
-                lses.append(lse)
-            out, lse = torch.stack(outs), torch.stack(lses)
+            # Indexes are built (first use) with every thread; the attention itself runs on
+            # `sparse_threads`: a sparse call is many small operations, which a second thread
+            # speeds up far less than it costs the other work of the process
+            # (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on
+            # one thread, 135 on two).
+            indexes = self.clusters(loaded) if params.mode == "tail" else self.search_index(loaded)
+            with intra_op_threads(self.sparse_threads):
+                heads = [
+                    self._sparse_head(
+                        loaded, q[head], head, indexes[head], params, positions, causal
+                    )
+                    for head in range(q.shape[0])
+                ]
+            out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
         result = {"out": out, "lse": lse}
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
@@ -291,41 +299,33 @@ class Engine:
             return dense_attention(q, keys, values, loaded.geometry, causal=True)
         return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
 
-    def _sparse_head(self, loaded, q, head, params, positions, causal):
-        """One head's tail or topk attention. Its index is built (first use) with every
-        thread; the attention itself with `sparse_threads`: a sparse call is many small
-        operations, which a second thread speeds up far less than it costs the other work of
-        the process (benchmarks/service.py: 32 decode clients, about 2x the requests per
-        second on one thread than on two)."""
+    def _sparse_head(self, loaded, q, head, index, params, positions, causal):
+        """One head's tail (`index`: its `KeyClusters`) or topk (its search index) attention."""
         k, v = loaded.keys[head], loaded.values[head]
         if params.mode == "tail":
-            clusters = self.clusters(loaded)[head]
-            with intra_op_threads(self.sparse_threads):
-                return retrieval_attention(
-                    q,
-                    k,
-                    v,
-                    loaded.geometry,
-                    index=clusters,
-                    tail=True,
-                    budget=params.budget,
-                    window=params.window,
-                    sinks=params.sinks,
-                )
-        index = self.search_index(loaded)[head]
-        with intra_op_threads(self.sparse_threads):
             return retrieval_attention(
                 q,
                 k,
                 v,
                 loaded.geometry,
-                top_k=params.k,
                 index=index,
+                tail=True,
+                budget=params.budget,
                 window=params.window,
                 sinks=params.sinks,
-                causal=causal,
-                positions=positions,
             )
+        return retrieval_attention(
+            q,
+            k,
+            v,
+            loaded.geometry,
+            top_k=params.k,
+            index=index,
+            window=params.window,
+            sinks=params.sinks,
+            causal=causal,
+            positions=positions,
+        )
 
     def _best(self, loaded, q, k, exact):
         """The k best keys per query: `(ids (H, nq, k), logits (H, nq, k))`, `-1`/`-inf`

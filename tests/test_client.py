@@ -247,9 +247,10 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
     # (safetensors writes the buffer of a non-contiguous array as if it were contiguous)
     first = {"keys": keys[:, :50].copy(), "values": values[:, :50].copy()}
     save_file(first, str(tmp_path / "c.safetensors"))
-    argv = ("upload", str(tmp_path / "c.safetensors"), "--context", context_id, *url)
-    assert json.loads(_cli(capsys, *argv))["n_tokens"] == N + 150
-    assert "150/50" not in capsys.readouterr().err
+    cli.main(["upload", str(tmp_path / "c.safetensors"), "--context", context_id, *url])
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["n_tokens"] == N + 150
+    assert "] 50/50 tokens" in printed.err  # the progress bar, at its end
 
     np.save(tmp_path / "q.npy", queries)
     argv = ("attend", context_id, str(tmp_path / "q.npy"), "--mode", "exact")
