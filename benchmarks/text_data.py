@@ -54,14 +54,19 @@ def load_model():
     return model
 
 
-def token_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    """The first `n_tokens` token ids of the standard library's sources (no special tokens)."""
+def source_tokens(tokenizer, n_tokens: int) -> tuple[torch.Tensor, list[tuple[str, int, int]]]:
+    """The first `n_tokens` token ids of the standard library's sources (no special tokens)
+    and the files they come from: `(path relative to the stdlib, start, end)` token spans."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     ids: list[int] = []
+    spans: list[tuple[str, int, int]] = []
     for path in stdlib_sources():
         text = path.read_text(encoding="utf-8", errors="replace")
+        start = len(ids)
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        spans.append((str(path.relative_to(root)), start, min(len(ids), n_tokens)))
         if len(ids) >= n_tokens:
-            return torch.tensor(ids[:n_tokens])
+            return torch.tensor(ids[:n_tokens]), spans
     raise RuntimeError(f"the standard library holds only {len(ids)} tokens, {n_tokens} asked")
 
 
@@ -125,7 +130,7 @@ def text_projections(
         saved = torch.load(path, weights_only=True)
         return saved["q"], saved["k"], saved["v"]
     model = load_model()
-    ids = token_ids(model.tokenizer, n_tokens)
+    ids, _ = source_tokens(model.tokenizer, n_tokens)
     q, k, v = layer_projections(model, ids, layer)
     if cache:
         CACHE_DIR.mkdir(exist_ok=True)
