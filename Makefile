@@ -2,26 +2,35 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The pinned CPU build is installed first, so no other requirement can pull a CUDA build.
+# The pinned torch is installed first, so no other requirement can pull a second build.
 TORCH_REQUIREMENT ?= torch==2.13.0
+# Where that torch comes from; empty: pip's configured index (on this machine, the CPU build on
+# disk). The Dockerfile sets the PyTorch CPU or CUDA 12 index.
+TORCH_INDEX_URL ?=
+# cpu or gpu: the pyproject extra of that name, i.e. which FAISS build (faiss-cpu, faiss-gpu-cu12).
+VARIANT ?= cpu
 
-.PHONY: serve test lint redis bench clean
+.PHONY: install serve test lint redis bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.torch-installed: | $(BIN)/python
-	$(BIN)/pip install --quiet "$(TORCH_REQUIREMENT)"
+	$(BIN)/pip install --quiet $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) \
+		"$(TORCH_REQUIREMENT)"
 	touch $@
 
 $(VENV)/.serve-installed: pyproject.toml $(VENV)/.torch-installed
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet -e ".[$(VARIANT)]"
 	touch $@
 
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.torch-installed
-	$(BIN)/pip install --quiet -e ".[dev,bench]"
+	$(BIN)/pip install --quiet -e ".[$(VARIANT),dev,bench]"
 	touch $@
+
+# What the service needs, nothing more: the Dockerfile runs exactly this.
+install: $(VENV)/.serve-installed
 
 # The service on port 8000 with the embedded store (settings: REWA_* variables, see README).
 serve: $(VENV)/.serve-installed

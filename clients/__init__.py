@@ -1,8 +1,8 @@
 """rewa.clients: the HTTP clients (`Client`, `AsyncClient`), the `rewa` command line, and the
-LLM-pipeline integration (`RemoteMemory`, `merge_attention`)."""
+LLM-pipeline integration (`RemoteMemory`, `ShardedMemory`, `merge_attention`)."""
 
 from .http import AsyncClient, AttendResult, Client, RewaConnectionError, RewaError, SearchResult
-from .memory import RemoteMemory, merge_attention
+from .memory import RemoteMemory, ShardedMemory, merge_attention
 
 __all__ = [
     "AsyncClient",
@@ -12,5 +12,6 @@ __all__ = [
     "RewaConnectionError",
     "RewaError",
     "SearchResult",
+    "ShardedMemory",
     "merge_attention",
 ]

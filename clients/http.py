@@ -34,6 +34,9 @@ import torch
 BINARY_THRESHOLD = 64 * 1024
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = (429, 503)
+# Sent with every request on one context (its id), so that a load balancer can hash on it and
+# keep each context on one replica's cache (deploy/k8s/ingress.yaml).
+ROUTING_HEADER = "X-Rewa-Context"
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -136,7 +139,11 @@ class _Request:
     accept: tuple[int, ...] = ()  # error statuses returned instead of raised
 
     def arguments(self) -> dict:
-        arguments: dict[str, Any] = {"params": self.params, "headers": self.headers}
+        headers = dict(self.headers)
+        parts = self.path.split("/")
+        if parts[:3] == ["", "v1", "contexts"] and len(parts) > 3:
+            headers[ROUTING_HEADER] = parts[3]
+        arguments: dict[str, Any] = {"params": self.params, "headers": headers}
         if self.json is not None:
             arguments["json"] = self.json
         if self.content is not None:

@@ -7,6 +7,8 @@ if one softmax had covered both key sets."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ from rewa.attention import merge_attention
 
 from .http import Client
 
-__all__ = ["RemoteMemory", "merge_attention"]
+__all__ = ["RemoteMemory", "ShardedMemory", "merge_attention"]
 
 
 class RemoteMemory(nn.Module):
@@ -48,3 +50,22 @@ class RemoteMemory(nn.Module):
 
     def extra_repr(self) -> str:
         return f"context_id={self.context_id!r}, mode={self.mode!r}, url={self.client.url!r}"
+
+
+class ShardedMemory(nn.Module):
+    """One long context stored as several contexts, its shards (disjoint parts of its tokens, on
+    one service or on several, e.g. when the whole does not fit one device):
+    `forward(queries) -> (out, lse)` asks every shard at once and merges the answers with
+    `merge_attention`. In `exact` mode the result is exactly attention over the whole context;
+    in the sparse modes each shard's estimate is merged the same way."""
+
+    def __init__(self, shards: Sequence[RemoteMemory]):
+        super().__init__()
+        if not shards:
+            raise ValueError("ShardedMemory needs at least one shard")
+        self.shards = nn.ModuleList(shards)
+
+    def forward(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with ThreadPoolExecutor(max_workers=len(self.shards)) as pool:
+            parts = list(pool.map(lambda shard: shard(queries), self.shards))
+        return merge_attention(*parts)

@@ -44,13 +44,12 @@ import io
 import math
 from dataclasses import dataclass, fields
 
-import faiss
 import numpy as np
 import torch
 
 from rewa.attention import Geometry, Lift
 
-from .faiss_index import faiss_device
+from .faiss_index import faiss, faiss_device
 
 DEFAULT_RANK = 4
 DEFAULT_KEYS_PER_CLUSTER = 512

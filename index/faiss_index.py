@@ -21,13 +21,20 @@ import struct
 from dataclasses import dataclass
 from typing import Literal
 
-import faiss
 import numpy as np
 import torch
 
 from rewa.attention import Geometry, Lift
 
 from .candidates import best_candidates
+
+try:
+    import faiss
+except ImportError as error:  # rewa installed without its cpu or gpu extra
+    raise ImportError(
+        "rewa.index needs a FAISS build: pip install 'rewa[cpu]' (faiss-cpu) or 'rewa[gpu]' "
+        "(faiss-gpu-cu12)"
+    ) from error
 
 IndexKind = Literal["flat", "ivf", "hnsw"]
 

@@ -38,6 +38,7 @@ class Server:
         self.port = settings.pop("port", None) or free_port()
         self.settings = {f"REWA_{key.upper()}": str(value) for key, value in settings.items()}
         self.process: subprocess.Popen | None = None
+        self.command = [sys.executable, "-m", "rewa.clients.cli", "serve"]
         handle, name = tempfile.mkstemp(prefix="rewa-server-", suffix=".log")
         os.close(handle)
         self.log_path = Path(name)
@@ -51,7 +52,7 @@ class Server:
         env.setdefault("REWA_HOST", "127.0.0.1")
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "rewa.clients.cli", "serve"],
+                self.command,
                 env=env,
                 cwd=ROOT,
                 stdout=log,

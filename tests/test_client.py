@@ -24,6 +24,7 @@ from rewa.clients import (
     RemoteMemory,
     RewaConnectionError,
     RewaError,
+    ShardedMemory,
     cli,
     merge_attention,
 )
@@ -158,9 +159,11 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
     script: ClassVar[list] = []
     seen: ClassVar[list] = []
+    routing: ClassVar[list] = []
 
     def do_GET(self):
         self.seen.append(time.monotonic())
+        self.routing.append((self.path, self.headers.get("X-Rewa-Context")))
         status, headers = self.script.pop(0) if self.script else (200, {})
         body = json.dumps(
             {"status": "ok"} if status == 200 else {"error": {"type": "busy", "message": "m"}}
@@ -182,7 +185,7 @@ def scripted():
     stub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Scripted)
     thread = threading.Thread(target=stub.serve_forever, daemon=True)
     thread.start()
-    _Scripted.script, _Scripted.seen = [], []
+    _Scripted.script, _Scripted.seen, _Scripted.routing = [], [], []
     yield f"http://127.0.0.1:{stub.server_address[1]}", _Scripted
     stub.shutdown()
 
@@ -207,6 +210,14 @@ def test_429_and_503_are_retried_after_retry_after(scripted):
     assert asyncio.run(asynchronous()) and len(handler.seen) == 2
 
 
+def test_requests_on_a_context_carry_its_id_as_a_routing_key(scripted):
+    url, handler = scripted
+    with Client(url) as client:
+        client.livez()
+        client.get_context("ctx-1")
+    assert handler.routing == [("/livez", None), ("/v1/contexts/ctx-1", "ctx-1")]
+
+
 def test_remote_memory_merged_with_local_attention_is_dense_attention(server, data):
     keys, values, queries = data
     geometry = make_geometry("dot", D)
@@ -221,6 +232,27 @@ def test_remote_memory_merged_with_local_attention_is_dense_attention(server, da
     expected_out, expected_lse = dense_attention(queries, keys, values, geometry)
     _close(out, expected_out)
     _close(lse, expected_lse)
+
+
+def test_a_context_sharded_over_two_contexts_merges_to_dense_attention(server, data):
+    keys, values, queries = data
+    cut = 700
+    with Client(server.url) as client:
+        shards = []
+        for part in (slice(0, cut), slice(cut, N)):
+            context = client.create_context(H, D)
+            client.upload(context["id"], keys[:, part], values[:, part])
+            shards.append(RemoteMemory(client, context["id"], mode="exact"))
+        out, lse = ShardedMemory(shards)(queries)
+        one_shard = ShardedMemory(shards[:1])(queries)
+        for shard in shards:
+            client.delete_context(shard.context_id)
+    expected_out, expected_lse = dense_attention(queries, keys, values, make_geometry("dot", D))
+    _close(out, expected_out)
+    _close(lse, expected_lse)
+    assert not torch.allclose(one_shard[1], expected_lse, atol=1e-3)  # both shards matter
+    with pytest.raises(ValueError, match="at least one shard"):
+        ShardedMemory([])
 
 
 def _cli(capsys, *argv) -> str:

@@ -1,0 +1,54 @@
+# syntax=docker/dockerfile:1
+# rewa for GPU nodes (default) or CPU nodes:
+#   docker build -t rewa:gpu .
+#   docker build --build-arg VARIANT=cpu -t rewa:cpu .
+# The Python environment is installed by `make install`, the same target (and so the same
+# pyproject.toml requirements and torch pin) that `make serve` uses; only the torch index and the
+# FAISS extra differ between the variants.
+ARG VARIANT=gpu
+
+# CUDA 12 runtime: torch's CUDA 12 wheels and faiss-gpu-cu12 bring their own CUDA libraries;
+# the host needs an NVIDIA driver and the NVIDIA container toolkit.
+FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04 AS base-gpu
+ENV REWA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+
+FROM ubuntu:24.04 AS base-cpu
+ENV REWA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM base-${VARIANT}
+ARG VARIANT
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends \
+        ca-certificates curl make python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/rewa
+COPY Makefile pyproject.toml README.md ./
+COPY attention/ attention/
+COPY index/ index/
+COPY service/ service/
+COPY clients/ clients/
+RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} TORCH_INDEX_URL=${REWA_TORCH_INDEX_URL} \
+    && .venv/bin/python -m compileall -q attention index service clients
+
+# A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
+# is set.
+RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin rewa \
+    && mkdir /data && chown rewa /data
+USER 10001
+ENV PATH=/opt/rewa/.venv/bin:$PATH \
+    REWA_HOST=0.0.0.0 \
+    REWA_PORT=8000 \
+    REWA_DATA_DIR=/data
+VOLUME ["/data"]
+EXPOSE 8000
+
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+    CMD curl --fail --silent --show-error "http://127.0.0.1:${REWA_PORT}/livez" || exit 1
+
+ENTRYPOINT ["rewa", "serve"]
