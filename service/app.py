@@ -29,6 +29,7 @@ def make_store(settings: Settings) -> ContextStore:
         return RedisStore(
             settings.redis_url,
             prefix=settings.redis_prefix,
+            cluster=settings.redis_cluster,
             piece_bytes=settings.redis_piece_bytes,
             upload_ttl_s=settings.upload_ttl_s,
         )

@@ -10,6 +10,10 @@ one Redis Cluster slot, so its transactions stay single-slot):
 - `P:{N:C}:upload:<upload>`: an open upload's chunk list (JSON);
 - `P:{N:C}:blob:<name>:<i>` and `P:{N:C}:blobs` (name -> piece count): built indexes.
 
+With `cluster=True` the URL names any node of a Redis Cluster (a cluster-aware client routes
+each key to its slot's node): every transaction touches one context's keys (one slot), and
+the one read across contexts (`list`) goes key by key.
+
 An upload writes its pieces with a time-to-live (`upload_ttl_s`), so an upload that is never
 committed (the client gave up, the server was killed) disappears by itself. A commit is one
 MULTI/EXEC under WATCH of the record and the upload: it writes the new record (version + 1,
@@ -23,6 +27,7 @@ import functools
 import json
 
 import redis
+from redis.exceptions import ClusterDownError
 
 from .store import NotFound, StoreUnavailable, committed, new_id, new_record
 
@@ -34,7 +39,7 @@ def _unavailable_on_connection_errors(method):
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except (redis.ConnectionError, redis.TimeoutError) as error:
+        except (redis.ConnectionError, redis.TimeoutError, ClusterDownError) as error:
             raise StoreUnavailable(f"Redis is unavailable: {error}") from None
 
     return wrapper
@@ -48,8 +53,10 @@ class RedisStore:
         prefix: str = "rewa",
         piece_bytes: int = 8 << 20,
         upload_ttl_s: int = 24 * 3600,
+        cluster: bool = False,
     ) -> None:
-        self.client = redis.Redis.from_url(
+        client_class = redis.RedisCluster if cluster else redis.Redis
+        self.client = client_class.from_url(
             url, socket_timeout=10, socket_connect_timeout=2, retry_on_timeout=False
         )
         self.prefix = prefix
@@ -89,7 +96,11 @@ class RedisStore:
         ids = sorted(member.decode() for member in self.client.smembers(self._ids(namespace)))
         if not ids:
             return []
-        raws = self.client.mget([self._key(namespace, i, "record") for i in ids])
+        # One GET per context, not MGET: the records live in different cluster slots.
+        with self.client.pipeline(transaction=False) as pipe:
+            for context_id in ids:
+                pipe.get(self._key(namespace, context_id, "record"))
+            raws = pipe.execute()
         records = [json.loads(raw) for raw in raws if raw is not None]
         return sorted(records, key=lambda record: record["created_at"])
 
@@ -104,7 +115,7 @@ class RedisStore:
     def delete(self, namespace: str, context_id: str) -> None:
         record_key = self._key(namespace, context_id, "record")
         blobs_key = self._key(namespace, context_id, "blobs")
-        with self.client.pipeline() as pipe:
+        with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(record_key, blobs_key)
@@ -166,7 +177,7 @@ class RedisStore:
             pipe.execute()
         entry = {"chunk": chunk, "tokens": tokens, "bytes": len(data), "pieces": len(pieces)}
         upload_key = self._key(namespace, context_id, "upload", upload_id)
-        with self.client.pipeline() as pipe:
+        with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(upload_key)
@@ -185,7 +196,7 @@ class RedisStore:
     def commit(self, namespace: str, context_id: str, upload_id: str, max_tokens: int) -> dict:
         record_key = self._key(namespace, context_id, "record")
         upload_key = self._key(namespace, context_id, "upload", upload_id)
-        with self.client.pipeline() as pipe:
+        with self.client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(record_key, upload_key)

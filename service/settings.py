@@ -22,6 +22,7 @@ class Settings(BaseSettings):
     data_dir: Path | None = None
     redis_url: str | None = None
     redis_prefix: str = "rewa"
+    redis_cluster: bool = Field(False, description="REWA_REDIS_URL is a Redis Cluster node")
     redis_piece_bytes: int = Field(8 * MIB, ge=1024, description="largest Redis value written")
     upload_ttl_s: int = Field(24 * 3600, ge=1, description="uncommitted uploads expire")
     # Auth: comma-separated Bearer keys; empty means open (one shared namespace).

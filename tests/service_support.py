@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import shutil
 import signal
 import socket
@@ -151,6 +152,87 @@ class PrivateRedis:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class PrivateRedisCluster:
+    """A Redis Cluster of our own: `masters` redis-server processes in cluster mode on free
+    ports, no replicas, every slot assigned (`redis-cli --cluster create`)."""
+
+    def __init__(self, masters: int = 3) -> None:
+        self.ports = [_free_cluster_port() for _ in range(masters)]
+        self.directory = tempfile.mkdtemp(prefix="rewa-redis-cluster-")
+        self.processes: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.ports[0]}/0"
+
+    def start(self, timeout: float = 30) -> PrivateRedisCluster:
+        server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+        assert server and cli, "redis-server / redis-cli are missing: run `make redis`"
+        for port in self.ports:
+            node = Path(self.directory) / str(port)
+            node.mkdir()
+            arguments = ["--bind", "127.0.0.1", "--port", str(port), "--dir", str(node)]
+            arguments += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            arguments += ["--appendonly", "no", "--save", ""]
+            self.processes.append(
+                subprocess.Popen(
+                    [server, *arguments], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+            )
+        for port in self.ports:
+            _wait_for_redis(f"redis://127.0.0.1:{port}/0", timeout)
+        nodes = [f"127.0.0.1:{port}" for port in self.ports]
+        subprocess.run(
+            [cli, "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            states = [redis.Redis(port=port).cluster("info") for port in self.ports]
+            if all(state.get("cluster_state") == "ok" for state in states):
+                return self
+            time.sleep(0.1)
+        raise RuntimeError("the private Redis Cluster did not become ready")
+
+    def keys_per_node(self) -> list[int]:
+        return [redis.Redis(port=port).dbsize() for port in self.ports]
+
+    def cleanup(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _free_cluster_port() -> int:
+    """A free port p below 55536 whose cluster bus port p + 10000 is free too."""
+    for _ in range(1000):
+        port = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as first, socket.socket() as bus:
+                first.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+def _wait_for_redis(url: str, timeout: float) -> None:
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server at {url} did not start")
 
 
 # -- tensors over HTTP -----------------------------------------------------------------------

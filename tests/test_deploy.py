@@ -19,7 +19,14 @@ from rewa.attention import dense_attention, make_geometry
 from rewa.clients import Client, RewaError
 from rewa.service.metrics import Metrics
 from rewa.service.settings import Settings
-from tests.service_support import REDIS_URL, ROOT, Server, drop_prefix, redis_prefix
+from tests.service_support import (
+    REDIS_URL,
+    ROOT,
+    PrivateRedisCluster,
+    Server,
+    drop_prefix,
+    redis_prefix,
+)
 
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30.0"
@@ -329,3 +336,34 @@ def test_two_replicas_share_one_redis():
         a.kill()
         b.kill()
         drop_prefix(prefix)
+
+
+def test_a_replica_on_redis_cluster_serves_contexts_spread_over_its_nodes():
+    cluster = PrivateRedisCluster().start()
+    server = Server(redis_url=cluster.url, redis_cluster="true").start()
+    try:
+        generator = torch.Generator().manual_seed(7)
+        keys, values = torch.randn(2, 3000, 16, generator=generator), torch.randn(2, 3000, 16)
+        queries = torch.randn(2, 6, 16, generator=generator)
+        expected = dense_attention(queries, keys, values, make_geometry("dot", 16))
+        with Client(server.url) as client:
+            assert client.ready()
+            contexts = [client.create_context(2, 16, index={"kind": "ivf", "k": 32})]
+            contexts += [client.create_context(2, 16) for _ in range(5)]
+            # Several chunks and pieces, one transactional commit, indexes stored as blobs.
+            client.upload(contexts[0]["id"], keys, values, chunk_tokens=700)
+            exact = client.attend(contexts[0]["id"], queries, mode="exact")
+            torch.testing.assert_close(exact.out, expected[0], rtol=1e-4, atol=2e-5)
+            torch.testing.assert_close(exact.lse, expected[1], rtol=1e-4, atol=2e-5)
+            for mode in ("tail", "topk"):
+                assert client.attend(contexts[0]["id"], queries, mode=mode).out.shape == (2, 6, 16)
+            listed = {c["id"]: c["n_tokens"] for c in client.list_contexts()}
+            assert listed == {c["id"]: (3000 if c is contexts[0] else 0) for c in contexts}
+            assert sum(count > 0 for count in cluster.keys_per_node()) >= 2  # really spread
+            client.delete_context(contexts[0]["id"])
+            with pytest.raises(RewaError) as missing:
+                client.attend(contexts[0]["id"], queries, mode="exact")
+            assert missing.value.status == 404
+    finally:
+        server.kill()
+        cluster.cleanup()
