@@ -17,6 +17,9 @@ ENV REWA_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM base-${VARIANT}
 ARG VARIANT
+# Where the pinned torch comes from; empty: the variant's index above. It must carry the
+# version that the Makefile pins (TORCH_REQUIREMENT).
+ARG TORCH_INDEX_URL=
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -33,7 +36,8 @@ COPY attention/ attention/
 COPY index/ index/
 COPY service/ service/
 COPY clients/ clients/
-RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} TORCH_INDEX_URL=${REWA_TORCH_INDEX_URL} \
+RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
+        TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
     && .venv/bin/python -m compileall -q attention index service clients
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
