@@ -78,3 +78,13 @@ def test_service_curl_example_runs_against_a_live_server():
     out, lse = decode(body["out"]), decode(body["lse"])
     assert [round(x, 2) for x in out.flatten().tolist()] == [0.67, 0.33]
     assert round(lse.item(), 3) == 1.108
+
+
+def test_deploy_sharding_example_builds_its_sharded_memory():
+    text = README.read_text()
+    example = re.search(r"\*Contexts larger than one device\.\*.*?```python\n(.*?)```", text, re.S)
+    code = example.group(1) + "\nprint(len(memory.shards), memory.shards[1].context_id)\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.split() == ["2", "ctx-second-half"]
