@@ -106,11 +106,6 @@ def _wait_until_live(url: str, process: subprocess.Popen, log, timeout: float = 
 # -- attention ---------------------------------------------------------------------------------
 
 
-def local_attention(q_window, k_window, v_window, geometry):
-    """Each window token attends the window's tokens up to itself."""
-    return dense_attention(q_window, k_window, v_window, geometry, causal=True)
-
-
 def timed_attend(memory: RemoteMemory, queries: torch.Tensor):
     start = time.perf_counter()
     result = memory(queries)
@@ -162,11 +157,16 @@ def furthest_sharp_queries(q_window, k, geometry, n_memory: int, lse, count: int
     return sorted(best, key=lambda pick: -pick["weight"])[:count]
 
 
-def attention_profile(q_row, k_head, geometry, lse_row, position: int, bins: int) -> torch.Tensor:
-    """The attention mass of one query (at document `position`, causal) summed over `bins`
-    equal spans of the document."""
+def document_weights(q_row, k_head, geometry, lse_row, position: int) -> torch.Tensor:
+    """The attention weights of one query at document `position` over every token (causal:
+    0 after the query)."""
     weights = torch.exp(geometry.score(q_row[None], k_head)[0] - lse_row)
     weights[position + 1 :] = 0
+    return weights
+
+
+def attention_profile(weights: torch.Tensor, bins: int) -> torch.Tensor:
+    """Attention weights summed over `bins` equal spans of the document."""
     return torch.stack([span.sum() for span in weights.tensor_split(bins)])
 
 
@@ -186,11 +186,8 @@ def snippet(tokenizer, ids: torch.Tensor, position: int, around: int = 6) -> str
     return f"{left} [{token}] {right}".replace("\n", " ")
 
 
-def describe(pick: dict, q, k, geometry, lse, ids, spans, tokenizer, n_tokens, window) -> dict:
-    head, query = pick["head"], pick["query"]
-    position = n_tokens - window + query
-    weights = torch.exp(geometry.score(q[head, query][None], k[head])[0] - lse[head, query])
-    weights[position + 1 :] = 0
+def describe(pick: dict, weights, position: int, n_memory: int, ids, spans, tokenizer) -> dict:
+    """What one picked query (document `position`, attention `weights`) reads."""
     return {
         **pick,
         "position": position,
@@ -198,7 +195,7 @@ def describe(pick: dict, q, k, geometry, lse, ids, spans, tokenizer, n_tokens, w
         "query_text": snippet(tokenizer, ids, position),
         "key_file": file_of(pick["key"], spans),
         "key_text": snippet(tokenizer, ids, pick["key"]),
-        "memory_mass": float(weights[: n_tokens - window].sum()),
+        "memory_mass": float(weights[:n_memory].sum()),
         "top_files": file_masses(weights, spans, 3),
     }
 
@@ -268,7 +265,9 @@ def main() -> None:
     with torch.no_grad():
         dense = dense_attention(q_window, k, v, geometry, causal=True)
         remote_exact = dense_attention(q_window, k[:, :n_memory], v[:, :n_memory], geometry)
-        local = local_attention(q_window, k_window, v_window, geometry)
+        # Each window token attends the window's tokens up to itself.
+        local = dense_attention(q_window, k_window, v_window, geometry, causal=True)
+        memory_mass = torch.exp(remote_exact[1] - dense[1])
 
     with contextlib.ExitStack() as stack:
         url = args.url or stack.enter_context(local_server())
@@ -311,24 +310,14 @@ def main() -> None:
     picks = furthest_sharp_queries(q_window, k, geometry, n_memory, dense[1], PLOTTED_QUERIES)
     examples, profiles = [], []
     for pick in picks:
-        example = describe(
-            pick, q_window, k, geometry, dense[1], ids, spans, tokenizer, n_tokens, args.window
-        )
-        examples.append(example)
         head, query = pick["head"], pick["query"]
-        profiles.append(
-            (
-                example,
-                attention_profile(
-                    q_window[head, query],
-                    k[head],
-                    geometry,
-                    dense[1][head, query],
-                    example["position"],
-                    PROFILE_BINS,
-                ),
-            )
+        position = n_memory + query
+        weights = document_weights(
+            q_window[head, query], k[head], geometry, dense[1][head, query], position
         )
+        example = describe(pick, weights, position, n_memory, ids, spans, tokenizer)
+        examples.append(example)
+        profiles.append((example, attention_profile(weights, PROFILE_BINS)))
         print(
             f"head {head}, token {example['position']} in {example['file']}: "
             f"{example['query_text']!r}\n  sharpest memory key {example['key']} "
@@ -345,6 +334,9 @@ def main() -> None:
         "heads": heads,
         "queries_per_head": args.window,
         "upload_seconds": upload_seconds,
+        # Share of each window token's attention that lies in the memory (all heads, queries).
+        "memory_mass_median": float(memory_mass.median()),
+        "memory_mass_min": float(memory_mass.min()),
         "exact": exact,
         "records": records,
         "examples": examples,
