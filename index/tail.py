@@ -44,6 +44,7 @@ putting the outliers before it raised the median error from 0.02 to 0.50).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -92,9 +93,11 @@ def estimate_clusters(
         # over a last dimension of length r: 2-3x faster on the CPU at r = 4).
         factor = clusters.factor[:, block].permute(1, 2, 0).reshape(a.shape[-1], -1)
         projection = (a @ factor).view(n_queries, rank, n_clusters)
-        variance = torch.addmm(
-            projection.square().sum(1), a.square(), clusters.residual[:, block].T
-        )
+        # One in-place pass per rank, not square() and sum(1) over the whole projection: 2.5x
+        # faster at (1024, 4, 257).
+        variance = a.square() @ clusters.residual[:, block].T
+        for r in range(rank):
+            variance.addcmul_(projection[:, r], projection[:, r])
         half_width = a.norm(dim=-1, keepdim=True) * clusters.radius[:, i]
         projections.append(projection)
         moments.append((mean, variance, half_width))
@@ -107,9 +110,9 @@ def estimate_clusters(
         tilt / variance.clamp_min(torch.finfo(variance.dtype).tiny)
         for tilt, (_, variance, _) in zip(tilts, moments, strict=True)
     ]
-    total = log_counts + log_masses[0]
+    total = log_masses[0] + log_counts
     for log_mass in log_masses[1:]:
-        total = total + log_mass
+        total = total.add_(log_mass)
     for i in range(len(slopes)):
         for j in range(i + 1, len(slopes)):
             covariance = (projections[i] * projections[j]).sum(1)
@@ -462,17 +465,46 @@ def _tail_estimate(
     shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` of the clusters with finite `log_mass` from their estimates
-    (`estimate_clusters`)."""
-    lse = torch.logsumexp(log_mass, dim=-1)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    weights = torch.exp(log_mass - finite.unsqueeze(-1))
+    (`estimate_clusters`). The value shift's matrix product, the largest of the estimate
+    (`(nq, nc) @ (nc, D dv)`), runs in `shift_dtype`."""
+    peak = log_mass.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
+    total = weights.sum(-1)
     out = weights @ clusters.value_mean
     n_queries, (n_clusters, _, value_dim) = weights.shape[0], clusters.value_cross.shape
+    dtype = shift_dtype(weights.dtype, weights.device)
     start = 0
     for slope, a in shift_terms:
         # sum_c w_c g_c Cov_c(b, v) per query, then contracted with the query's features.
         cross = clusters.value_cross[:, start : start + a.shape[-1]].reshape(n_clusters, -1)
-        summed = ((weights * slope) @ cross).view(n_queries, a.shape[-1], value_dim)
-        out = out + (a.unsqueeze(1) @ summed).squeeze(1)
+        summed = (weights * slope).to(dtype) @ cross.to(dtype)
+        summed = summed.view(n_queries, a.shape[-1], value_dim).to(out.dtype)
+        out = out.add_((a.unsqueeze(1) @ summed).squeeze(1))
         start += a.shape[-1]
-    return out, lse
+    out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return out, peak.squeeze(-1) + total.log()
+
+
+def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the value shift's matrix product for a float `dtype` context on `device`:
+    bfloat16 for float32 where the hardware multiplies bfloat16 matrices natively (a CUDA GPU
+    that supports it, a CPU with AMX tiles), else `dtype` itself (float64 stays exact).
+
+    The shift is a first-order correction of the estimated clusters' value means, so
+    bfloat16's 8-bit mantissa costs it a relative 2^-8 or so of a term that is itself a
+    fraction of the output; on the `text` heads of `benchmarks/tail.py` the product took
+    4.3 ms in float32 and about 1 ms in bfloat16 (AMX) for 1024 queries and 257 clusters."""
+    if dtype != torch.float32:
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else dtype
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_amx() else dtype
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN then multiplies bfloat16 matrices several times
+    faster than float32 ones)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(check()) if check is not None else False
