@@ -27,7 +27,8 @@ the cluster's softmax-weighted value is `m_c + sum_i g_i Cov(v, s_i)`, the expon
 tilted mean of jointly Gaussian `(s, v)`: SPEC 6's first-order `m_c + C_c^T q / sqrt(d)`, with
 the full key-value cross-covariance `Cov(v, s_i) = Cov(b, v)^T a_i`. Summed over clusters with
 the tail weights w, the shift is `sum_i a_i^T (sum_c w_c g_ic Cov_c(b_i, v))`: one
-`(nq, nc) @ (nc, D_i dv)` matrix product per lift, no `(nq, nc, .)` tensor.
+`(nq, nc) @ (nc, D_i dv)` matrix product per lift, no `(nq, nc, .)` tensor; it runs in
+bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`shift_dtype`).
 
 Limits where the estimate is exact: a cluster of one key or of identical keys (zero variance:
 `log n_c + phi(s_bar)` and `m_c`), and, for the dot product, jointly Gaussian keys and values
