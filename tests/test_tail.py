@@ -294,6 +294,23 @@ def test_gradients_reach_the_queries():
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
 
 
+def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
+    """float32 dot product: the query gradient with the shift in bfloat16 is finite and within
+    a few percent of the float32 shift's."""
+    q, k, v = (x.float() for x in _inputs(n_keys=2000, dim=8))
+    g = make_geometry("dot", 8)
+    clusters = _clusters(k, v, g, n_clusters=20)
+    gradients = {}
+    for has_amx in (False, True):
+        monkeypatch.setattr(tail_module, "cpu_has_amx", lambda has_amx=has_amx: has_amx)
+        queries = q.clone().requires_grad_()
+        out, lse = tail_attention(queries, clusters, budget=0.05)
+        (gradients[has_amx],) = torch.autograd.grad(out.square().sum() + lse.sum(), queries)
+    assert torch.isfinite(gradients[True]).all()
+    assert not torch.equal(gradients[True], gradients[False])
+    assert output_error(gradients[True], gradients[False]).max() < 0.05
+
+
 @pytest.mark.parametrize("name", ["dot", "sphere"])
 def test_the_differentiable_and_the_in_place_exact_parts_agree(name):
     """With autograd on, the exact part runs out of place (for gradients); under no_grad it
