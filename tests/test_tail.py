@@ -296,7 +296,7 @@ def test_gradients_reach_the_queries():
 
 def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
     """float32 dot product: the query gradient with the shift in bfloat16 is finite and within
-    a few percent of the float32 shift's."""
+    1 % of the float32 shift's (measured: 6e-5)."""
     q, k, v = (x.float() for x in _inputs(n_keys=2000, dim=8))
     g = make_geometry("dot", 8)
     clusters = _clusters(k, v, g, n_clusters=20)
@@ -308,7 +308,7 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
         (gradients[has_amx],) = torch.autograd.grad(out.square().sum() + lse.sum(), queries)
     assert torch.isfinite(gradients[True]).all()
     assert not torch.equal(gradients[True], gradients[False])
-    assert output_error(gradients[True], gradients[False]).max() < 0.05
+    assert output_error(gradients[True], gradients[False]).max() < 0.01
 
 
 @pytest.mark.parametrize("name", ["dot", "sphere"])
