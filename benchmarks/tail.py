@@ -111,7 +111,17 @@ def run(datasets: list[str], n: int, geometries: list[str], cluster_options: dic
     return records
 
 
-def measure_head(dataset, head, name, q, k, v, native, n, cluster_options) -> list[dict]:
+def measure_head(
+    dataset: str,
+    head: int,
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    native: dict | None,
+    n: int,
+    cluster_options: dict,
+) -> list[dict]:
     """Records of one head and geometry: dense, build, and topk / tail at every budget."""
     g = geometry_for(name, native, q.shape[-1])
     if name == "poincare" and not (native and native["name"] == "poincare"):

@@ -495,7 +495,7 @@ def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     The shift is a first-order correction of the estimated clusters' value means, so
     bfloat16's 8-bit mantissa costs it a relative 2^-8 or so of a term that is itself a
     fraction of the output. On this AMX CPU a (1024 x 257) @ (257 x 1024) product took 2.7-5.2
-    ms in float32 and 0.7-1.3 ms in bfloat16 (the machine's speed drifting), and the whole
+    ms in float32 and 0.7-2.0 ms in bfloat16 (the machine's speed drifting), and the whole
     tail estimate of `text` head 8 (1024 queries, 1 %) 6.1 ms before and 3.2 ms after, in one
     same-run comparison."""
     if dtype != torch.float32:
