@@ -208,10 +208,10 @@ def test_the_value_shift_runs_in_bfloat16_only_on_hardware_that_multiplies_it_na
     monkeypatch,
 ):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(tail_module, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(tail_module, "cpu_multiplies_bfloat16", lambda: True)
     assert shift_dtype(torch.float32, cpu) == torch.bfloat16
     assert shift_dtype(torch.float64, cpu) == torch.float64  # exactness tests stay exact
-    monkeypatch.setattr(tail_module, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(tail_module, "cpu_multiplies_bfloat16", lambda: False)
     assert shift_dtype(torch.float32, cpu) == torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert shift_dtype(torch.float32, cuda) == torch.bfloat16
@@ -239,9 +239,11 @@ def test_a_bfloat16_value_shift_changes_the_output_by_far_less_than_the_estimate
         expected_out, _ = dense_attention(q, k, v, g)
         clusters = KeyClusters.build(g.witness(k), v, g, n_clusters=64)
         results = {}
-        for has_amx in (False, True):
-            monkeypatch.setattr(tail_module, "cpu_has_amx", lambda has_amx=has_amx: has_amx)
-            results[has_amx] = tail_attention(q, clusters, budget=0.02)
+        for native_bf16 in (False, True):
+            monkeypatch.setattr(
+                tail_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
+            )
+            results[native_bf16] = tail_attention(q, clusters, budget=0.02)
         exact_only, _ = tail_attention(q, clusters, budget=0.02, tail=False)
     (out32, lse32), (out16, lse16) = results[False], results[True]
     error = output_error(out32, expected_out).median()
@@ -301,11 +303,13 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
     g = make_geometry("dot", 8)
     clusters = _clusters(k, v, g, n_clusters=20)
     gradients = {}
-    for has_amx in (False, True):
-        monkeypatch.setattr(tail_module, "cpu_has_amx", lambda has_amx=has_amx: has_amx)
+    for native_bf16 in (False, True):
+        monkeypatch.setattr(
+            tail_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
+        )
         queries = q.clone().requires_grad_()
         out, lse = tail_attention(queries, clusters, budget=0.05)
-        (gradients[has_amx],) = torch.autograd.grad(out.square().sum() + lse.sum(), queries)
+        (gradients[native_bf16],) = torch.autograd.grad(out.square().sum() + lse.sum(), queries)
     assert torch.isfinite(gradients[True]).all()
     assert not torch.equal(gradients[True], gradients[False])
     assert output_error(gradients[True], gradients[False]).max() < 0.01
