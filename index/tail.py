@@ -186,7 +186,7 @@ def select_clusters(
     # holds at the average cluster size, plus a few.
     average = float(ordinary_counts.sum()) / max(int((ordinary_counts > 0).sum()), 1)
     width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
-    best = log_mass.topk(width, dim=-1).indices
+    best = _most_massive(log_mass, width)
     sizes = ordinary_counts[best]
     if forced is not None:
         best = torch.cat([best[:, :1], forced.expand(n_queries, -1), best[:, 1:]], dim=1)
@@ -203,6 +203,29 @@ def select_clusters(
         remaining = remaining - size * chosen[:, column]
     queries, slots = torch.as_tensor(chosen, device=best.device).nonzero(as_tuple=True)
     return queries, best[queries, slots]
+
+
+def _most_massive(log_mass: torch.Tensor, width: int) -> torch.Tensor:
+    """The columns of the `width` largest entries of each row `(nq, width)`, largest first.
+
+    On the CPU, `width` rounds of numpy's `argmax` (ties: the lower column first), each
+    masking the entry it found with `-inf`: `topk` over 1024 x 257 took 1.2-1.4 ms on this
+    machine, a round 40-50 us. A row whose finite entries run out would get a masked column
+    twice; then `topk` answers instead."""
+    if log_mass.device.type != "cpu" or log_mass.dtype not in (torch.float32, torch.float64):
+        return log_mass.topk(width, dim=-1).indices
+    masses = log_mass.detach().numpy()
+    remaining = masses.copy()
+    n_rows, n_columns = remaining.shape
+    row_starts = np.arange(n_rows) * n_columns
+    flat = remaining.reshape(-1)
+    best = np.empty((width, n_rows), dtype=np.int64)
+    for column in range(width):
+        best[column] = remaining.argmax(axis=1)
+        flat[row_starts + best[column]] = -np.inf
+    if np.isneginf(masses.reshape(-1)[row_starts + best[-1]]).any():
+        return log_mass.topk(width, dim=-1).indices
+    return torch.from_numpy(best.T)
 
 
 def tail_attention(

@@ -22,6 +22,7 @@ from rewa.index import tail as tail_module
 from rewa.index.tail import (
     _blocked_partials,
     _merge_partials,
+    _most_massive,
     _per_cluster_partials,
     select_clusters,
     shift_dtype,
@@ -387,6 +388,24 @@ def _planted_outliers(n_keys=2000, n_far=20, dim=8, seed=5):
     v = torch.randn(n_keys, 4, generator=generator, dtype=torch.float64)
     q = torch.randn(64, dim, generator=generator, dtype=torch.float64)
     return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_most_massive_clusters_are_topks_in_its_order_even_when_finite_entries_run_out(
+    dtype,
+):
+    generator = torch.Generator().manual_seed(0)
+    log_mass = torch.randn(64, 40, generator=generator, dtype=dtype)
+    for width in (1, 7, 40):
+        expected = log_mass.topk(width, dim=-1).indices
+        assert torch.equal(_most_massive(log_mass, width), expected)
+    # Rows with fewer finite entries than the width: distinct columns, the finite ones first.
+    sparse = log_mass.masked_fill(torch.rand(64, 40, generator=generator) < 0.8, float("-inf"))
+    finite = torch.isfinite(sparse).sum(-1)
+    assert int(finite.min()) < 12 < int(finite.max())
+    best = _most_massive(sparse, 12)
+    assert all(len(set(row)) == 12 for row in best.tolist())
+    torch.testing.assert_close(sparse.gather(1, best), sparse.topk(12, dim=-1).values)
 
 
 def test_outlier_keys_form_one_cluster_read_after_each_querys_most_massive():
