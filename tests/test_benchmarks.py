@@ -142,7 +142,7 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     keys |= {"server_cpu_ms_per_request", "client_cpu_ms_per_request"}
     assert all(set(r) == keys for r in loads)
     # /proc counts CPU time in clock ticks (10 ms): one client's two requests can take less
-    # than a tick on a fast machine, the twelve configurations' 220 requests together cannot.
+    # than a tick on a fast machine, the twelve configurations' 328 requests together cannot.
     assert all(r["server_cpu_ms_per_request"] >= 0 for r in loads)
     assert sum(r["server_cpu_ms_per_request"] for r in loads) > 0
     configurations = {(r["clients"], r["batching"], r["exact"]) for r in loads}
