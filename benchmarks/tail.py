@@ -59,7 +59,7 @@ GEOMETRIES = ["dot", "sphere", "poincare"]
 N_QUERIES = 1024
 OTHER_TEMPERATURE = 0.1
 # Five, not three: on this shared machine the fastest of three runs still caught slow phases
-# (heads whose fastest of nine ran at 12-13x dense came out at 9.9x).
+# (heads whose fastest of six to nine ran at 12x dense came out at 9.9x).
 ROUNDS = 5
 
 
