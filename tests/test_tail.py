@@ -24,6 +24,8 @@ from rewa.index.tail import (
     _merge_partials,
     _most_massive,
     _per_cluster_partials,
+    _shared_reference_attention,
+    _visited_attention,
     select_clusters,
     shift_dtype,
 )
@@ -317,19 +319,61 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["dot", "sphere"])
-def test_the_differentiable_and_the_in_place_exact_parts_agree(name):
-    """With autograd on, the exact part runs out of place (for gradients); under no_grad it
-    writes into preallocated slices. Same values, window and sink keys included."""
+def test_the_differentiable_and_the_shared_reference_exact_parts_agree(name):
+    """With autograd on, the exact part is one softmax per cluster, merged (for gradients);
+    under no_grad every weight of a query is taken relative to one reference and the sums add
+    up directly. Same values, window and sink keys included."""
     g = build_geometry(name, 8)
     q, k, v = _inputs()
     clusters = _clusters(k, v, g, n_clusters=10)
     always = torch.tensor([0, 1, 397, 398, 399])
     out, lse = tail_attention(q.requires_grad_(), clusters, budget=0.2, always=always)
     with torch.no_grad():
-        out_in_place, lse_in_place = tail_attention(q, clusters, budget=0.2, always=always)
-    assert out.requires_grad and not out_in_place.requires_grad
-    torch.testing.assert_close(out.detach(), out_in_place, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse.detach(), lse_in_place, rtol=1e-12, atol=1e-12)
+        out_shared, lse_shared = tail_attention(q, clusters, budget=0.2, always=always)
+    assert out.requires_grad and not out_shared.requires_grad
+    torch.testing.assert_close(out.detach(), out_shared, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse.detach(), lse_shared, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare"])
+@pytest.mark.parametrize("offset", [-200.0, 0.0, 200.0])
+def test_a_reference_too_far_from_the_logits_falls_back_to_the_general_path(name, offset):
+    # float32 weights exp(l - reference) overflow for a reference 200 below the logits and
+    # underflow for one 200 above; those queries are done again per cluster, and every query
+    # gets the exact result. Queries 0-4 visit only window keys: (0, -inf) either way.
+    g = build_geometry(name, 8)
+    q, k, v = (x.float() for x in _inputs(n_keys=700))
+    clusters = _clusters(k, v, g, n_clusters=9)
+    qw = g.witness(q)
+    generator = torch.Generator().manual_seed(2)
+    pairs = torch.stack(
+        [
+            torch.randint(0, 30, (80,), generator=generator),
+            torch.randint(0, 9, (80,), generator=generator),
+        ],
+        -1,
+    ).unique(dim=0)
+    pairs = pairs[(pairs[:, 0] >= 5) | (pairs[:, 1] == 0)]
+    is_always = torch.zeros(700, dtype=torch.bool)
+    is_always[: int(clusters.offsets[1])] = True  # every key of cluster 0
+    pair_query, pair_cluster = pairs[:, 0], pairs[:, 1]
+    with torch.no_grad():
+        expected = _merge_partials(
+            30, *_per_cluster_partials(qw, clusters, pair_query, pair_cluster, is_always)
+        )
+        reference = expected[1].nan_to_num(neginf=0.0) + offset
+        _, _, failed = _shared_reference_attention(
+            qw, clusters, pair_query, pair_cluster, is_always, reference
+        )
+        out, lse = _visited_attention(qw, clusters, pair_query, pair_cluster, is_always, reference)
+    visits_keys = torch.isfinite(expected[1])
+    assert not visits_keys[:5].any() and visits_keys[5:].all()
+    if offset == 0:
+        assert not failed[visits_keys].any()
+    else:
+        assert failed[visits_keys].all()
+    torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
 
 
 def test_the_estimates_rank_the_true_cluster_masses():
