@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from rewa.attention import DotProduct, Geometry, merge_attention
+from rewa.attention.allocator import retain_freed_memory
 from rewa.attention.sparse import softmax_attend
 
 from .clusters import KeyClusters, query_features
@@ -252,6 +253,9 @@ def tail_attention(
         raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
     if not 0 <= budget <= 1:
         raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
+    if q.device.type == "cpu":
+        # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
+        retain_freed_memory()
     geometry = clusters.geometry
     dtype = clusters.keys_w.dtype
     qw = geometry.witness(q.to(dtype))
