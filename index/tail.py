@@ -385,26 +385,19 @@ def _shared_reference_attention(
     heads (131072 keys, 1024 queries, budgets 0.5-2 %) the estimate's reference lay 0.6-5.9
     nats below each query's largest visited logit (float32 overflows 88 nats above it), and
     no query failed."""
-    order = pair_cluster.argsort(stable=True)
-    rows, pair_cluster = pair_query[order], pair_cluster[order]
-    visited, visits = torch.unique_consecutive(pair_cluster, return_counts=True)
-    offsets = clusters.offsets.tolist()
+    rows, runs = _runs_by_cluster(clusters, pair_query, pair_cluster)
     has_always = _clusters_with_always(clusters, is_always)
     score = _cluster_scorer(clusters.geometry, qw)
     bias = reference.neg()[rows].unsqueeze(-1)
     weighted_values = clusters.values.new_empty(len(rows), clusters.values.shape[-1])
     weight_sums = clusters.values.new_empty(len(rows))
-    first = 0
-    for cluster, count in zip(visited.tolist(), visits.tolist(), strict=True):
-        part = slice(first, first + count)
-        keys = slice(offsets[cluster], offsets[cluster + 1])
+    for cluster, part, keys in runs:
         weights = score(rows[part], clusters.keys_w[keys], bias[part])
         if cluster in has_always:
             weights = weights.masked_fill_(is_always[keys], float("-inf"))
         weights = weights.exp_()
         torch.mm(weights, clusters.values[keys], out=weighted_values[part])
         torch.sum(weights, dim=-1, out=weight_sums[part])
-        first += count
     n_queries = qw.shape[0]
     out = weighted_values.new_zeros(n_queries, weighted_values.shape[-1])
     out = out.index_add_(0, rows, weighted_values)
@@ -435,17 +428,12 @@ def _per_cluster_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One partial per pair: for each visited cluster, the scores of the queries visiting it
     against its keys (a slice of the sorted keys, no copy), softmax, values. Differentiable."""
-    order = pair_cluster.argsort(stable=True)
-    rows, pair_cluster = pair_query[order], pair_cluster[order]
-    visited, visits = torch.unique_consecutive(pair_cluster, return_counts=True)
-    offsets = clusters.offsets.tolist()
+    rows, runs = _runs_by_cluster(clusters, pair_query, pair_cluster)
     has_always = _clusters_with_always(clusters, is_always)
     score = _cluster_scorer(clusters.geometry, qw)
     outs, lses = [], []
-    first = 0
-    for cluster, count in zip(visited.tolist(), visits.tolist(), strict=True):
-        keys = slice(offsets[cluster], offsets[cluster + 1])
-        logits = score(rows[first : first + count], clusters.keys_w[keys])
+    for cluster, part, keys in runs:
+        logits = score(rows[part], clusters.keys_w[keys])
         if cluster in has_always:
             # Rows may have no key left: softmax_attend handles them.
             logits = logits.masked_fill(is_always[keys], float("-inf"))
@@ -454,8 +442,25 @@ def _per_cluster_partials(
             out, lse = _finite_softmax_attend(logits, clusters.values[keys])
         outs.append(out)
         lses.append(lse)
-        first += count
     return rows, torch.cat(outs), torch.cat(lses)
+
+
+def _runs_by_cluster(
+    clusters: KeyClusters, pair_query: torch.Tensor, pair_cluster: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[int, slice, slice]]]:
+    """The pairs' queries sorted by cluster `rows`, and per visited cluster
+    `(cluster, part, keys)`: the slice of `rows` visiting it and its slice of the sorted keys."""
+    order = pair_cluster.argsort(stable=True)
+    rows, pair_cluster = pair_query[order], pair_cluster[order]
+    visited, visits = torch.unique_consecutive(pair_cluster, return_counts=True)
+    offsets = clusters.offsets.tolist()
+    runs, first = [], 0
+    for cluster, count in zip(visited.tolist(), visits.tolist(), strict=True):
+        runs.append(
+            (cluster, slice(first, first + count), slice(offsets[cluster], offsets[cluster + 1]))
+        )
+        first += count
+    return rows, runs
 
 
 def _cluster_scorer(geometry: Geometry, qw: torch.Tensor) -> Callable[..., torch.Tensor]:
