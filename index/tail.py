@@ -382,7 +382,7 @@ def _shared_reference_attention(
     Exact as long as the reference is within the float range of the query's largest logit;
     `failed` flags the queries (with a visited cluster) whose sum overflowed or came out too
     small to keep the precision of its largest term (below `tiny / eps`). On the 12 `text`
-    heads (131072 keys, 1024 queries, budgets 0.5-2 %) the estimate's reference lay 0.6-5.9
+    heads (131072 keys, 1024 queries, budgets 0.5, 1, 2 %) the estimate's reference lay 0.6-5.9
     nats below each query's largest visited logit (float32 overflows 88 nats above it), and
     no query failed."""
     rows, runs = _runs_by_cluster(clusters, pair_query, pair_cluster)
