@@ -8,15 +8,18 @@ every learnable parameter of the geometry.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .allocator import retain_freed_memory
 from .dot import DotProduct
-from .geometry import Geometry, check_attention_inputs
-from .numerics import compute_dtype, exp_of_shifted_
+from .geometry import Geometry, ScoreTerm, check_attention_inputs
+from .numerics import compute_dtype, exp2_of_shifted_, exp_of_shifted_
 
-DEFAULT_Q_CHUNK = 512
-DEFAULT_K_CHUNK = 4096
+DEFAULT_Q_CHUNK = 256
+DEFAULT_K_CHUNK = 2048
+LOG2E = math.log2(math.e)
 
 
 def dense_attention(
@@ -133,8 +136,10 @@ def _mask_tile(
     rows: slice,
     cols: slice,
     offset: int,
+    unit: float = 1.0,
 ) -> torch.Tensor:
-    """Apply the user mask and the causal mask to one tile of logits."""
+    """Apply the user mask and the causal mask to one tile of logits (in units of `1/unit`
+    nats: a float mask is multiplied by `unit`)."""
     if mask is not None:
         tile = mask[
             ...,
@@ -144,12 +149,53 @@ def _mask_tile(
         if tile.dtype == torch.bool:
             logits = logits.masked_fill(~tile, float("-inf"))
         else:
-            logits = logits + tile.to(logits.dtype)
+            logits = logits.add(tile.to(logits.dtype), alpha=unit)
     if causal and cols.stop - 1 > rows.start + offset:
         query = torch.arange(rows.start, rows.stop, device=logits.device).unsqueeze(-1)
         key = torch.arange(cols.start, cols.stop, device=logits.device)
         logits = logits.masked_fill(key > query + offset, float("-inf"))
     return logits
+
+
+def _base2_terms(terms: list[ScoreTerm] | None) -> list[ScoreTerm] | None:
+    """The terms with `log2(e)` folded into their weights, for logits in base-2 units (the
+    linear terms' weights into their queries)."""
+    if terms is None:
+        return None
+    return [
+        ScoreTerm(term.queries * (term.weight * LOG2E), term.keys)
+        if term.transform_ is None
+        else term._replace(weight=term.weight * LOG2E)
+        for term in terms
+    ]
+
+
+def _tile_logits(
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    geometry: Geometry,
+    terms: list[ScoreTerm] | None,
+    rows: slice,
+    cols: slice,
+) -> torch.Tensor:
+    """Logits of one tile in base-2 units (`log2(e)` times the geometry's): from the product
+    form (`_base2_terms`) when the geometry has one, one matrix product and in-place transforms
+    per term, else from `geometry.score`."""
+    if terms is None:
+        return geometry.score(qw[..., rows, :], kw[..., cols, :]).mul_(LOG2E)
+    logits = None
+    for term in terms:
+        product = term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2)
+        value = product if term.transform_ is None else term.transform_(product)
+        if logits is None:
+            logits = value if _is_one(term.weight) else value.mul_(term.weight)
+        else:
+            logits.addcmul_(value, torch.as_tensor(term.weight, dtype=value.dtype))
+    return logits
+
+
+def _is_one(weight: torch.Tensor | float) -> bool:
+    return isinstance(weight, float | int) and weight == 1
 
 
 def _tiled_forward(
@@ -162,32 +208,35 @@ def _tiled_forward(
     q_chunk: int,
     k_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online softmax over key tiles, in base 2 (`exp2` costs half of `exp` on CPUs, as in
+    FlashAttention); `lse` is returned in nats."""
     n_queries, n_keys = qw.shape[-2], kw.shape[-2]
     offset = n_keys - n_queries
     masked = mask is not None or causal
     batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
+    terms = _base2_terms(geometry.score_terms(qw, kw))
     out = qw.new_zeros(*batch, n_queries, v.shape[-1])
     lse = qw.new_full((*batch, n_queries), float("-inf"))
     for q_start in range(0, n_queries, q_chunk):
         rows = slice(q_start, min(q_start + q_chunk, n_queries))
-        q_tile = qw[..., rows, :]
         running_max = qw.new_full((*batch, rows.stop - rows.start), float("-inf"))
         total = torch.zeros_like(running_max)
         acc = qw.new_zeros(*batch, rows.stop - rows.start, v.shape[-1])
         for k_start in range(0, _key_limit(causal, rows.stop, n_keys, offset), k_chunk):
             cols = slice(k_start, min(k_start + k_chunk, n_keys))
-            logits = geometry.score(q_tile, kw[..., cols, :])
-            logits = _mask_tile(logits, mask, causal, rows, cols, offset)
+            logits = _tile_logits(qw, kw, geometry, terms, rows, cols)
+            logits = _mask_tile(logits, mask, causal, rows, cols, offset, LOG2E)
             new_max = torch.maximum(running_max, logits.amax(-1))
             shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            weights = exp_of_shifted_(logits.sub_(shift.unsqueeze(-1)), masked)
-            rescale = torch.exp(running_max - shift)
+            weights = exp2_of_shifted_(logits.sub_(shift.unsqueeze(-1)), masked)
+            rescale = torch.exp2(running_max - shift)
             total = total * rescale + weights.sum(-1)
             acc = acc * rescale.unsqueeze(-1) + weights @ v[..., cols, :]
             running_max = new_max
         seen = total > 0
         out[..., rows, :] = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
-        lse[..., rows] = torch.where(seen, running_max + total.log(), lse[..., rows])
+        base2_lse = running_max + total.log2()
+        lse[..., rows] = torch.where(seen, base2_lse / LOG2E, lse[..., rows])
     return out, lse
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .geometry import Geometry, Lift, Role, check_role
+from .geometry import Geometry, Lift, Role, ScoreTerm, check_role
 
 
 class DotProduct(Geometry):
@@ -18,6 +18,9 @@ class DotProduct(Geometry):
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (qw @ kw.transpose(-1, -2)) * self.scale
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
+        return [ScoreTerm(qw, kw, None, self.scale)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self.scale

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import DistanceGeometry, Lift, Role, check_role, per_head
-from .numerics import gram_squared_distance, safe_norm, safe_sqrt
+from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, ScoreTerm, check_role, per_head
+from .numerics import gram_operands, gram_squared_distance, safe_norm, safe_sqrt, safe_sqrt_
 
 
 def dist(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -19,6 +19,16 @@ def distance_matrix(
     """`scale * ||x_i - y_j||` for `x (..., n, d)`, `y (..., m, d)` -> `(..., n, m)`."""
     distance = safe_sqrt(gram_squared_distance(x, y))
     return distance if scale is None else distance * scale
+
+
+def clamp_to_zero_(x: torch.Tensor) -> torch.Tensor:
+    """Negative rounding noise of a squared distance set to 0, in place."""
+    return x.clamp_min_(0)
+
+
+def distance_term(x: torch.Tensor, y: torch.Tensor) -> DistanceTerm:
+    """`distance_matrix(x, y)` in product form: `sqrt` of the Gram expansion."""
+    return DistanceTerm(*gram_operands(x, y), safe_sqrt_)
 
 
 class Euclidean(DistanceGeometry):
@@ -37,6 +47,15 @@ class Euclidean(DistanceGeometry):
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw)
+
+    def distance_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[DistanceTerm]:
+        return [distance_term(qw, kw)]
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
+        if self.power == 2:
+            weight = per_head(-1 / self.temperature()).to(qw.dtype)
+            return [ScoreTerm(*gram_operands(qw, kw), clamp_to_zero_, weight)]
+        return super().score_terms(qw, kw)
 
     def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
         return safe_sqrt(-similarity)

@@ -12,6 +12,7 @@ logits, i.e. inputs `(..., H, N, d)`; with `heads=1` its parameters broadcast ag
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
@@ -30,6 +31,43 @@ class Lift(NamedTuple):
 
     vectors: torch.Tensor
     metric: Metric
+
+
+class ScoreTerm(NamedTuple):
+    """One term of a geometry's dense logits in product form (docs/mathematics.md, "Fused dense
+    attention"): the logits are the sum over the geometry's terms of
+    `weight * transform_(queries @ keys^T)`.
+
+    `queries (..., nq, e)` and `keys (..., nk, e)` are augmented witnesses computed once per call;
+    `transform_` is element-wise and overwrites a tile `(..., a, b)` of the product (None: the
+    identity); `weight` is a number or a per-head tensor broadcasting as in `Geometry.score`.
+    Forward only: attention kernels recompute gradients through `score`."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    transform_: Callable[[torch.Tensor], torch.Tensor] | None = None
+    weight: torch.Tensor | float = 1.0
+
+
+class DistanceTerm(NamedTuple):
+    """A distance matrix in product form: `factor * shape_(queries @ keys^T)`, `shape_`
+    element-wise and in place, `factor` a number or per-head tensor broadcasting against the
+    `(..., nq, nk)` distances."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    shape_: Callable[[torch.Tensor], torch.Tensor]
+    factor: torch.Tensor | float = 1.0
+
+
+def distance_logit_term(term: DistanceTerm, weight: torch.Tensor, power: int) -> ScoreTerm:
+    """The score term `weight * distance^power` of a distance term; `weight` (per head, usually
+    `-1/tau` or `-w/tau`) and the distance's factor fold into one multiplication."""
+    if power == 1:
+        return ScoreTerm(term.queries, term.keys, term.shape_, weight * term.factor)
+    return ScoreTerm(
+        term.queries, term.keys, lambda s: term.shape_(s).square_(), weight * term.factor**2
+    )
 
 
 def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:
@@ -108,6 +146,12 @@ class Geometry(nn.Module):
         """Dense logits `(..., nq, nk)` from query witnesses `(..., nq, d_w)` and key witnesses
         `(..., nk, d_w)`, as a new tensor (attention kernels may overwrite it)."""
         raise NotImplementedError
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm] | None:
+        """The dense logits of `score` in product form (`ScoreTerm`), for fused attention
+        kernels; None (the default) when the geometry has none, and kernels call `score` per
+        tile instead."""
+        return None
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         """Logits `(..., nq, C)` of each query `(..., nq, d_w)` against its own gathered
@@ -234,6 +278,17 @@ class DistanceGeometry(Geometry):
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         """Distances between witnesses paired along the last axis (broadcasting)."""
         raise NotImplementedError
+
+    def distance_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[DistanceTerm] | None:
+        """`distance_matrix` in product form, one term per summand; None when there is none."""
+        return None
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm] | None:
+        terms = self.distance_terms(qw, kw)
+        if terms is None:
+            return None
+        weight = per_head(-1 / self.temperature()).to(qw.dtype)
+        return [distance_logit_term(term, weight, self.power) for term in terms]
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         inverse_tau = per_head(1 / self.temperature())

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .geometry import Geometry, Lift, Role, check_role
+from .geometry import Geometry, Lift, Role, ScoreTerm, check_role
 
 GradeKind = Literal["linear", "exponential"]
 GradedVariant = Literal["scores", "queries_keys", "multi_head", "values"]
@@ -120,6 +120,9 @@ class Graded(Geometry):
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (self.graded_queries(qw) @ kw.transpose(-1, -2)) * self.scale
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
+        return [ScoreTerm(self.graded_queries(qw), kw, None, self.scale)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ self.graded_queries(qw).unsqueeze(-1)).squeeze(-1) * self.scale

@@ -47,8 +47,18 @@ def exp_of_shifted_(shifted: torch.Tensor, may_be_masked: bool) -> torch.Tensor:
     [-60, -50]: 42 ms). A floored term weighs at most 1.6e-28 against the row maximum's 1, far
     below float32 resolution for any number of keys. Masked entries (-inf) stay exactly 0 when
     `may_be_masked`."""
+    return _floored_exp_(shifted, may_be_masked, 1.0, torch.Tensor.exp_)
+
+
+def exp2_of_shifted_(shifted: torch.Tensor, may_be_masked: bool) -> torch.Tensor:
+    """`exp_of_shifted_` for logits in base-2 units: `2^x` in place, with the same floor in
+    nats."""
+    return _floored_exp_(shifted, may_be_masked, math.log2(math.e), torch.Tensor.exp2_)
+
+
+def _floored_exp_(shifted, may_be_masked, unit, exp_):
     blocked = torch.isneginf(shifted) if may_be_masked else None
-    shifted.clamp_min_(_EXP_FLOOR[compute_dtype(shifted.dtype)]).exp_()
+    exp_(shifted.clamp_min_(_EXP_FLOOR[compute_dtype(shifted.dtype)] * unit))
     return shifted if blocked is None else shifted.masked_fill_(blocked, 0.0)
 
 
@@ -71,10 +81,22 @@ def gram_squared_distance(
     """`w_x[i] w_y[j] ||x_i - y_j||^2` for `x (..., n, d)`, `y (..., m, d)` -> `(..., n, m)`,
     unclamped (rounding can leave tiny negative values). Weights `(..., n)`, `(..., m)` optional.
 
-    One matrix product of augmented vectors `(-2x, |x|^2, 1) . (y, 1, |y|^2)` (the Gram expansion
-    FAISS and cdist use, with the norms folded into the product): exact in float64, an absolute
-    error of about eps * (|x|^2 + |y|^2) * w_x * w_y in float32.
+    One matrix product of the augmented vectors of `gram_operands` (the Gram expansion FAISS and
+    cdist use, with the norms folded into the product): exact in float64, an absolute error of
+    about eps * (|x|^2 + |y|^2) * w_x * w_y in float32.
     """
+    xa, ya = gram_operands(x, y, x_weight, y_weight)
+    return xa @ ya.transpose(-1, -2)
+
+
+def gram_operands(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_weight: torch.Tensor | None = None,
+    y_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Augmented vectors `w_x (-2x, |x|^2, 1)` `(..., n, d + 2)` and `w_y (y, 1, |y|^2)`
+    `(..., m, d + 2)` whose inner products are the weighted squared distances."""
     x2 = x.square().sum(-1, keepdim=True)
     y2 = y.square().sum(-1, keepdim=True)
     xa = torch.cat([-2 * x, x2, torch.ones_like(x2)], dim=-1)
@@ -83,7 +105,12 @@ def gram_squared_distance(
         xa = xa * x_weight.unsqueeze(-1)
     if y_weight is not None:
         ya = ya * y_weight.unsqueeze(-1)
-    return xa @ ya.transpose(-1, -2)
+    return xa, ya
+
+
+def safe_sqrt_(x: torch.Tensor) -> torch.Tensor:
+    """`safe_sqrt` in place (no gradient)."""
+    return x.clamp_min_(tiny(x.dtype)).sqrt_()
 
 
 def inverse_softplus(y: float) -> float:
@@ -100,3 +127,10 @@ def acosh1p(v: torch.Tensor) -> torch.Tensor:
     cost 5-10x more; this is the cost that dominates dense hyperbolic attention)."""
     v = v.clamp_min(tiny(v.dtype))
     return torch.log1p(v + (v * (v + 2)).sqrt())
+
+
+def acosh1p_(v: torch.Tensor) -> torch.Tensor:
+    """`acosh1p` in place (no gradient; one temporary of the same size)."""
+    v.clamp_min_(tiny(v.dtype))
+    root = torch.add(v, 2).mul_(v).sqrt_()
+    return v.add_(root).log1p_()

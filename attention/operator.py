@@ -19,8 +19,9 @@ import math
 import torch
 from torch import nn
 
-from .geometry import Geometry, Lift, Role, SoftplusTemperature, check_role, per_head
-from .numerics import gram_squared_distance, safe_sqrt
+from .euclidean import clamp_to_zero_
+from .geometry import Geometry, Lift, Role, ScoreTerm, SoftplusTemperature, check_role, per_head
+from .numerics import gram_operands, gram_squared_distance, safe_sqrt
 
 
 def hs_inner_low_rank(
@@ -122,6 +123,13 @@ class Operator(Geometry):
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return self.squared_distance_matrix(qw, kw) * -self._inverse_tau()
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm] | None:
+        """Full rank: the Gram expansion of the flattened operators; low rank: None."""
+        if self.rank is not None:
+            return None
+        weight = -self._inverse_tau().to(qw.dtype)
+        return [ScoreTerm(*gram_operands(qw, kw), clamp_to_zero_, weight)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return self.squared_distance(qw.unsqueeze(-2), kw) * -self._inverse_tau()

@@ -15,7 +15,18 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import euclidean, sphere, stereographic
-from .geometry import Geometry, Lift, Role, TemperatureKind, check_role, make_temperature, per_head
+from .geometry import (
+    DistanceTerm,
+    Geometry,
+    Lift,
+    Role,
+    ScoreTerm,
+    TemperatureKind,
+    check_role,
+    distance_logit_term,
+    make_temperature,
+    per_head,
+)
 from .numerics import inverse_softplus, safe_sqrt
 
 COMPONENTS = ("euclidean", "sphere", "hyperbolic")
@@ -30,6 +41,14 @@ def _component_distance_matrix(
     if name == "sphere":
         return sphere.distance_matrix(x, y, scale)
     return stereographic.distance_matrix(x, y, torch.tensor(-1.0, dtype=x.dtype), scale)
+
+
+def _component_distance_term(name: str, x: torch.Tensor, y: torch.Tensor) -> DistanceTerm:
+    if name == "euclidean":
+        return euclidean.distance_term(x, y)
+    if name == "sphere":
+        return sphere.distance_term(x, y)
+    return stereographic.distance_term(x, y, torch.tensor(-1.0, dtype=x.dtype))
 
 
 def _component_distance(name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -155,6 +174,20 @@ class ProductGeometry(Geometry):
             total = term if total is None else total + term
         return total
 
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
+        """One term per component, `-(w/tau) d^p`."""
+        q_parts, k_parts = self.split(qw), self.split(kw)
+        weights = self._weights_for(qw)
+        inverse_tau = per_head(1 / self.temperature()).to(qw.dtype)
+        return [
+            distance_logit_term(
+                _component_distance_term(name, q_parts[name], k_parts[name]),
+                -weights[name] * inverse_tau,
+                self.power,
+            )
+            for name in self.present
+        ]
+
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         q_parts, k_parts = self.split(qw.unsqueeze(-2)), self.split(kw)
         weights = self._weights_for(qw)
@@ -248,6 +281,10 @@ class AdaptiveProductGeometry(ProductGeometry):
 
     def witness(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([super().witness(x), self.token_weights(x)], dim=-1)
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> None:
+        """None: the weights differ per query, so tiles are scored by `score`."""
+        return None
 
     def _weights_for(self, qw: torch.Tensor) -> dict[str, torch.Tensor]:
         columns = qw[..., -3:].unsqueeze(-1)

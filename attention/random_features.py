@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .geometry import Geometry, Lift, Role, SoftplusTemperature, check_role, per_head
+from .geometry import Geometry, Lift, Role, ScoreTerm, SoftplusTemperature, check_role, per_head
 
 
 def fourier_features(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,9 @@ class RandomFeatures(Geometry):
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (qw @ kw.transpose(-1, -2)) * self._inverse_tau()
+
+    def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
+        return [ScoreTerm(qw, kw, None, self._inverse_tau().to(qw.dtype))]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self._inverse_tau()

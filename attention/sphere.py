@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from .geometry import DistanceGeometry, Lift, Role, check_role
-from .numerics import safe_norm, safe_sqrt
+from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, check_role
+from .numerics import safe_norm, safe_sqrt, tiny
 
 NORM_EPS = 1e-12
 
@@ -29,14 +29,28 @@ def distance_matrix(
 ) -> torch.Tensor:
     """`scale *` great-circle distances `(..., n, m)` between unit vectors `a (..., n, d)` and
     `b (..., m, d)`: `2 arcsin(h)` with the squared half chord `h^2 = (1 - <a, b>) / 2` taken
-    from one product of augmented vectors `(-a/2, 1/2) . (b, 1)`. The same value as
+    from one product of the augmented vectors of `half_chord_operands`. The same value as
     `2 atan2(||a - b||, ||a + b||)`, with finite gradients and only vectorised kernels."""
-    half = torch.full_like(a[..., :1], 0.5)
-    squared_half_chord = torch.cat([-0.5 * a, half], dim=-1) @ torch.cat(
-        [b, torch.ones_like(b[..., :1])], dim=-1
-    ).transpose(-1, -2)
+    a_aug, b_aug = half_chord_operands(a, b)
     factor = 2.0 if scale is None else 2.0 * scale
-    return _arcsin_of_half_chord(squared_half_chord) * factor
+    return _arcsin_of_half_chord(a_aug @ b_aug.transpose(-1, -2)) * factor
+
+
+def half_chord_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(-a/2, 1/2)` and `(b, 1)`, whose inner product is the squared half chord
+    `(1 - <a, b>) / 2` of unit vectors."""
+    half = torch.full_like(a[..., :1], 0.5)
+    return torch.cat([-0.5 * a, half], dim=-1), torch.cat([b, torch.ones_like(b[..., :1])], dim=-1)
+
+
+def distance_term(a: torch.Tensor, b: torch.Tensor) -> DistanceTerm:
+    """`distance_matrix(a, b)` in product form."""
+    return DistanceTerm(*half_chord_operands(a, b), arcsin_of_squared_half_chord_, 2.0)
+
+
+def arcsin_of_squared_half_chord_(squared: torch.Tensor) -> torch.Tensor:
+    """`_arcsin_of_half_chord` in place (no gradient): `arcsin(sqrt(clamp(h^2, tiny, 1)))`."""
+    return squared.clamp_(tiny(squared.dtype), 1.0).sqrt_().asin_()
 
 
 def _arcsin_of_half_chord(squared_half_chord: torch.Tensor) -> torch.Tensor:
@@ -68,6 +82,9 @@ class Sphere(DistanceGeometry):
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw)
+
+    def distance_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[DistanceTerm]:
+        return [distance_term(qw, kw)]
 
     def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
         return distance_from_cosine(similarity)

@@ -17,14 +17,24 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .geometry import DistanceGeometry, Lift, Role, TemperatureKind, check_role, per_head
+from .geometry import (
+    DistanceGeometry,
+    DistanceTerm,
+    Lift,
+    Role,
+    TemperatureKind,
+    check_role,
+    per_head,
+)
 from .numerics import (
     acosh1p,
+    acosh1p_,
     artanh_eps,
     boundary_eps,
-    gram_squared_distance,
+    gram_operands,
     safe_norm,
     safe_sqrt,
+    safe_sqrt_,
     tiny,
 )
 
@@ -181,13 +191,41 @@ def distance_matrix(
     folded into the key weights (no extra pass over the result). `k` and `scale` broadcast
     against the `(..., n, m)` result (per head: `(H, 1, 1)`)."""
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
-    row_k = _as_column(k)
     sign = _fixed_sign(k)
+    x_aug, y_aug = _weighted_chord_operands(x, y, k, sign)
+    return _distance_from_weighted_chord(x_aug @ y_aug.transpose(-1, -2), k, sign, scale)
+
+
+def _weighted_chord_operands(
+    x: torch.Tensor, y: torch.Tensor, k: torch.Tensor, sign: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Augmented vectors whose inner products are `_chord_weight(k, sign)` times the squared
+    conformal chords."""
+    row_k = _as_column(k)
     x_weight = _conformal_factor(x, row_k).square()
     y_weight = _conformal_factor(y, row_k).square() * _chord_weight(row_k, sign)
-    return _distance_from_weighted_chord(
-        gram_squared_distance(x, y, x_weight, y_weight), k, sign, scale
-    )
+    return gram_operands(x, y, x_weight, y_weight)
+
+
+def distance_term(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> DistanceTerm | None:
+    """`distance_matrix(x, y, k)` in product form, for a curvature with one strict sign or zero
+    everywhere and no gradient in `k`; None otherwise (mixed signs need the element-wise
+    `arsin_k`)."""
+    k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
+    sign = _fixed_sign(k)
+    if sign == 0 and ((k.requires_grad and torch.is_grad_enabled()) or bool((k != 0).any())):
+        return None
+    operands = _weighted_chord_operands(x, y, k, sign)
+    if sign < 0:
+        return DistanceTerm(*operands, acosh1p_, 1 / (-k).sqrt())
+    if sign > 0:
+        return DistanceTerm(*operands, _arcsin_of_root_, 2 / k.sqrt())
+    return DistanceTerm(*operands, safe_sqrt_, 2.0)
+
+
+def _arcsin_of_root_(v: torch.Tensor) -> torch.Tensor:
+    """`arcsin(min(sqrt(v), 1))` in place (no gradient)."""
+    return v.clamp_(tiny(v.dtype), 1.0).sqrt_().asin_()
 
 
 def distance_from_squared_chord(
@@ -317,6 +355,10 @@ class KappaStereographic(DistanceGeometry):
 
     def distance(self, xw: torch.Tensor, yw: torch.Tensor) -> torch.Tensor:
         return dist(xw, yw, self._k(xw))
+
+    def distance_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[DistanceTerm] | None:
+        term = distance_term(qw, kw, self._k(qw))
+        return None if term is None else [term]
 
     def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:
         k = self._k(qw)

@@ -1,0 +1,136 @@
+"""Fused dense attention (docs/mathematics.md, "Fused dense attention"): a geometry's product
+form (`score_terms`) equals its `score`, and attention through it equals attention that scores
+every tile with `score`, in value and in gradient."""
+
+import pytest
+import torch
+
+from rewa.attention import dense_attention
+from tests.support import TOLERANCES, build_geometry
+
+F64 = TOLERANCES[torch.float64]
+
+FUSED = [
+    ("dot", {}),
+    ("euclidean", {}),
+    ("euclidean", {"power": 2}),
+    ("sphere", {}),
+    ("sphere", {"power": 2}),
+    ("poincare", {}),
+    ("poincare", {"power": 2}),
+    ("kappa", {"kappa": [-0.7, -0.2, -1.5]}),
+    ("kappa", {"kappa": [0.4, 0.9, 0.1]}),
+    ("kappa", {"kappa": 0.0}),
+    ("product", {}),
+    ("product", {"power": 2}),
+    ("graded", {}),
+    ("random_features", {}),
+    ("operator", {}),
+]
+IDS = [f"{name}-{options}" for name, options in FUSED]
+
+
+def inputs(dtype, nq=67, nk=150, d=8, dv=5, batch=(2, 3), seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(*batch, n, d, generator=generator, dtype=dtype) for n in (nq, nk))
+    v = torch.randn(*batch, nk, dv, generator=generator, dtype=dtype)
+    return q, k, v
+
+
+def logits_from_terms(terms):
+    total = 0
+    for term in terms:
+        product = term.queries @ term.keys.transpose(-1, -2)
+        value = product if term.transform_ is None else term.transform_(product)
+        total = total + term.weight * value
+    return total
+
+
+def without_product_form(monkeypatch, geometry):
+    """Make `geometry` score every tile with `score`, the path without a product form."""
+    monkeypatch.setattr(type(geometry), "score_terms", lambda self, qw, kw: None)
+
+
+@pytest.mark.parametrize(("name", "options"), FUSED, ids=IDS)
+def test_score_terms_sum_to_the_dense_logits(name, options):
+    g = build_geometry(name, 8, heads=3, **options)
+    q, k, _ = inputs(torch.float64)
+    with torch.no_grad():
+        qw, kw = g.witness(q), g.witness(k)
+        terms = g.score_terms(qw, kw)
+        assert terms is not None
+        torch.testing.assert_close(logits_from_terms(terms), g.score(qw, kw), **F64)
+
+
+@pytest.mark.parametrize(("name", "options"), FUSED, ids=IDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_forward_equals_scoring_every_tile(name, options, dtype, monkeypatch):
+    g = build_geometry(name, 8, heads=3, **options).to(dtype)
+    q, k, v = inputs(dtype)
+    mask = torch.rand(2, 1, 67, 150, generator=torch.Generator().manual_seed(1)) > 0.2
+    chunks = {"q_chunk": 16, "k_chunk": 40}
+    with torch.no_grad():
+        fused = [
+            dense_attention(q, k, v, g, **chunks),
+            dense_attention(q, k, v, g, causal=True, **chunks),
+            dense_attention(q, k, v, g, mask=mask, **chunks),
+        ]
+        without_product_form(monkeypatch, g)
+        tiled = [
+            dense_attention(q, k, v, g, **chunks),
+            dense_attention(q, k, v, g, causal=True, **chunks),
+            dense_attention(q, k, v, g, mask=mask, **chunks),
+        ]
+    tolerance = F64 if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for (out, lse), (expected_out, expected_lse) in zip(fused, tiled, strict=True):
+        torch.testing.assert_close(out, expected_out, **tolerance)
+        torch.testing.assert_close(lse, expected_lse, **tolerance)
+
+
+@pytest.mark.parametrize(("name", "options"), FUSED, ids=IDS)
+def test_gradients_equal_with_and_without_product_form(name, options, monkeypatch):
+    g = build_geometry(name, 8, heads=3, **options)
+    q, k, v = inputs(torch.float64, nq=31, nk=45)
+
+    def gradients():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        params = [p for p in g.parameters() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        out, lse = dense_attention(*leaves, g, causal=True, q_chunk=8, k_chunk=16)
+        (out.square().sum() + lse.sin().sum()).backward()
+        return [t.grad for t in leaves] + [p.grad.clone() for p in params]
+
+    fused = gradients()
+    without_product_form(monkeypatch, g)
+    tiled = gradients()
+    assert len(fused) >= 3
+    for grad, expected in zip(fused, tiled, strict=True):
+        torch.testing.assert_close(grad, expected, **F64)
+
+
+def test_mixed_curvature_signs_have_no_product_form():
+    g = build_geometry("kappa", 8, heads=3, kappa=[-0.7, 0.4, 0.0])
+    with torch.no_grad():
+        qw = g.witness(torch.randn(3, 5, 8, dtype=torch.float64))
+        assert g.score_terms(qw, qw) is None
+
+
+def test_zero_curvature_being_learned_has_no_product_form():
+    """With a gradient in kappa at 0 the distance needs the series of arsin_k."""
+    g = build_geometry("kappa", 8, kappa=0.0, learnable_kappa=True)
+    qw = g.witness(torch.randn(5, 8, dtype=torch.float64))
+    assert g.score_terms(qw, qw) is None
+    with torch.no_grad():
+        assert g.score_terms(qw, qw) is not None
+
+
+@pytest.mark.parametrize("name", ["adaptive_product", "cone"])
+def test_geometries_without_product_form_score_every_tile(name):
+    g = build_geometry(name, 8)
+    q, k, v = inputs(torch.float64, batch=())
+    with torch.no_grad():
+        assert g.score_terms(g.witness(q), g.witness(k)) is None
+        out, _ = dense_attention(q, k, v, g, q_chunk=16, k_chunk=40)
+        weights = torch.softmax(g.logits(q, k), dim=-1)
+    torch.testing.assert_close(out, weights @ v, **F64)
