@@ -15,7 +15,7 @@ import torch
 from .allocator import retain_freed_memory
 from .dot import DotProduct
 from .geometry import Geometry, ScoreTerm, check_attention_inputs
-from .numerics import compute_dtype, exp2_of_shifted_, exp_of_shifted_
+from .numerics import apply_stages_, compute_dtype, exp2_of_shifted_, exp_of_shifted_
 
 DEFAULT_Q_CHUNK = 256
 DEFAULT_K_CHUNK = 2048
@@ -164,7 +164,7 @@ def _base2_terms(terms: list[ScoreTerm] | None) -> list[ScoreTerm] | None:
         return None
     return [
         ScoreTerm(term.queries * (term.weight * LOG2E), term.keys)
-        if term.transform_ is None
+        if not term.stages
         else term._replace(weight=term.weight * LOG2E)
         for term in terms
     ]
@@ -186,7 +186,7 @@ def _tile_logits(
     logits = None
     for term in terms:
         product = term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2)
-        value = product if term.transform_ is None else term.transform_(product)
+        value = apply_stages_(product, term.stages)
         if logits is None:
             logits = value if _is_one(term.weight) else value.mul_(term.weight)
         else:

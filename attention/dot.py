@@ -20,7 +20,7 @@ class DotProduct(Geometry):
         return (qw @ kw.transpose(-1, -2)) * self.scale
 
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
-        return [ScoreTerm(qw, kw, None, self.scale)]
+        return [ScoreTerm(qw, kw, (), self.scale)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self.scale

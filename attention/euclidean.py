@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, ScoreTerm, check_role, per_head
-from .numerics import gram_operands, gram_squared_distance, safe_norm, safe_sqrt, safe_sqrt_
+from .numerics import gram_operands, gram_squared_distance, safe_norm, safe_sqrt
 
 
 def dist(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -21,14 +21,9 @@ def distance_matrix(
     return distance if scale is None else distance * scale
 
 
-def clamp_to_zero_(x: torch.Tensor) -> torch.Tensor:
-    """Negative rounding noise of a squared distance set to 0, in place."""
-    return x.clamp_min_(0)
-
-
 def distance_term(x: torch.Tensor, y: torch.Tensor) -> DistanceTerm:
     """`distance_matrix(x, y)` in product form: `sqrt` of the Gram expansion."""
-    return DistanceTerm(*gram_operands(x, y), safe_sqrt_)
+    return DistanceTerm(*gram_operands(x, y), ("sqrt",))
 
 
 class Euclidean(DistanceGeometry):
@@ -54,7 +49,7 @@ class Euclidean(DistanceGeometry):
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
         if self.power == 2:
             weight = per_head(-1 / self.temperature()).to(qw.dtype)
-            return [ScoreTerm(*gram_operands(qw, kw), clamp_to_zero_, weight)]
+            return [ScoreTerm(*gram_operands(qw, kw), ("clamp_to_zero",), weight)]
         return super().score_terms(qw, kw)
 
     def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:

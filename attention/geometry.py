@@ -12,14 +12,13 @@ logits, i.e. inputs `(..., H, N, d)`; with `heads=1` its parameters broadcast ag
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .numerics import inverse_softplus
+from .numerics import Stage, inverse_softplus
 
 Metric = Literal["l2", "ip"]
 Role = Literal["query", "key"]
@@ -36,27 +35,26 @@ class Lift(NamedTuple):
 class ScoreTerm(NamedTuple):
     """One term of a geometry's dense logits in product form (docs/mathematics.md, "Fused dense
     attention"): the logits are the sum over the geometry's terms of
-    `weight * transform_(queries @ keys^T)`.
+    `weight * stages(queries @ keys^T)`.
 
     `queries (..., nq, e)` and `keys (..., nk, e)` are augmented witnesses computed once per call;
-    `transform_` is element-wise and overwrites a tile `(..., a, b)` of the product (None: the
-    identity); `weight` is a number or a per-head tensor broadcasting as in `Geometry.score`.
-    Forward only: attention kernels recompute gradients through `score`."""
+    `stages` names element-wise functions of `numerics.STAGES`, applied in order (none: the
+    product itself); `weight` is a number or a per-head tensor broadcasting as in
+    `Geometry.score`. Forward only: attention kernels recompute gradients through `score`."""
 
     queries: torch.Tensor
     keys: torch.Tensor
-    transform_: Callable[[torch.Tensor], torch.Tensor] | None = None
+    stages: tuple[Stage, ...] = ()
     weight: torch.Tensor | float = 1.0
 
 
 class DistanceTerm(NamedTuple):
-    """A distance matrix in product form: `factor * shape_(queries @ keys^T)`, `shape_`
-    element-wise and in place, `factor` a number or per-head tensor broadcasting against the
-    `(..., nq, nk)` distances."""
+    """A distance matrix in product form: `factor * stages(queries @ keys^T)`, `factor` a number
+    or per-head tensor broadcasting against the `(..., nq, nk)` distances."""
 
     queries: torch.Tensor
     keys: torch.Tensor
-    shape_: Callable[[torch.Tensor], torch.Tensor]
+    stages: tuple[Stage, ...]
     factor: torch.Tensor | float = 1.0
 
 
@@ -64,10 +62,8 @@ def distance_logit_term(term: DistanceTerm, weight: torch.Tensor, power: int) ->
     """The score term `weight * distance^power` of a distance term; `weight` (per head, usually
     `-1/tau` or `-w/tau`) and the distance's factor fold into one multiplication."""
     if power == 1:
-        return ScoreTerm(term.queries, term.keys, term.shape_, weight * term.factor)
-    return ScoreTerm(
-        term.queries, term.keys, lambda s: term.shape_(s).square_(), weight * term.factor**2
-    )
+        return ScoreTerm(term.queries, term.keys, term.stages, weight * term.factor)
+    return ScoreTerm(term.queries, term.keys, (*term.stages, "square"), weight * term.factor**2)
 
 
 def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:

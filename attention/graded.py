@@ -122,7 +122,7 @@ class Graded(Geometry):
         return (self.graded_queries(qw) @ kw.transpose(-1, -2)) * self.scale
 
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
-        return [ScoreTerm(self.graded_queries(qw), kw, None, self.scale)]
+        return [ScoreTerm(self.graded_queries(qw), kw, (), self.scale)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ self.graded_queries(qw).unsqueeze(-1)).squeeze(-1) * self.scale

@@ -8,6 +8,8 @@ dtype used for accumulation when inputs arrive in half precision.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -134,3 +136,34 @@ def acosh1p_(v: torch.Tensor) -> torch.Tensor:
     v.clamp_min_(tiny(v.dtype))
     root = torch.add(v, 2).mul_(v).sqrt_()
     return v.add_(root).log1p_()
+
+
+def arcsin_of_root_(v: torch.Tensor) -> torch.Tensor:
+    """`arcsin(sqrt(clamp(v, tiny, 1)))` in place (no gradient): the sphere's half angle from its
+    squared half chord, and the same map for positive curvature."""
+    return v.clamp_(tiny(v.dtype), 1.0).sqrt_().asin_()
+
+
+def clamp_to_zero_(x: torch.Tensor) -> torch.Tensor:
+    """Negative rounding noise of a squared distance set to 0, in place."""
+    return x.clamp_min_(0)
+
+
+Stage = Literal["clamp_to_zero", "sqrt", "arcsin_of_root", "acosh1p", "square"]
+
+STAGES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "clamp_to_zero": clamp_to_zero_,
+    "sqrt": safe_sqrt_,
+    "arcsin_of_root": arcsin_of_root_,
+    "acosh1p": acosh1p_,
+    "square": torch.Tensor.square_,
+}
+"""The element-wise stages a fused attention kernel applies to a matrix product, by name (the
+CUDA kernel compiles the same names into its loop: attention/cuda_kernel.py)."""
+
+
+def apply_stages_(x: torch.Tensor, stages: tuple[Stage, ...]) -> torch.Tensor:
+    """Apply the named `STAGES` to `x` in place, in order."""
+    for stage in stages:
+        x = STAGES[stage](x)
+    return x

@@ -19,7 +19,6 @@ import math
 import torch
 from torch import nn
 
-from .euclidean import clamp_to_zero_
 from .geometry import Geometry, Lift, Role, ScoreTerm, SoftplusTemperature, check_role, per_head
 from .numerics import gram_operands, gram_squared_distance, safe_sqrt
 
@@ -129,7 +128,7 @@ class Operator(Geometry):
         if self.rank is not None:
             return None
         weight = -self._inverse_tau().to(qw.dtype)
-        return [ScoreTerm(*gram_operands(qw, kw), clamp_to_zero_, weight)]
+        return [ScoreTerm(*gram_operands(qw, kw), ("clamp_to_zero",), weight)]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return self.squared_distance(qw.unsqueeze(-2), kw) * -self._inverse_tau()

@@ -58,7 +58,7 @@ class RandomFeatures(Geometry):
         return (qw @ kw.transpose(-1, -2)) * self._inverse_tau()
 
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
-        return [ScoreTerm(qw, kw, None, self._inverse_tau().to(qw.dtype))]
+        return [ScoreTerm(qw, kw, (), self._inverse_tau().to(qw.dtype))]
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         return (kw @ qw.unsqueeze(-1)).squeeze(-1) * self._inverse_tau()

@@ -8,7 +8,7 @@ import math
 import torch
 
 from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, check_role
-from .numerics import safe_norm, safe_sqrt, tiny
+from .numerics import safe_norm, safe_sqrt
 
 NORM_EPS = 1e-12
 
@@ -45,12 +45,7 @@ def half_chord_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
 
 def distance_term(a: torch.Tensor, b: torch.Tensor) -> DistanceTerm:
     """`distance_matrix(a, b)` in product form."""
-    return DistanceTerm(*half_chord_operands(a, b), arcsin_of_squared_half_chord_, 2.0)
-
-
-def arcsin_of_squared_half_chord_(squared: torch.Tensor) -> torch.Tensor:
-    """`_arcsin_of_half_chord` in place (no gradient): `arcsin(sqrt(clamp(h^2, tiny, 1)))`."""
-    return squared.clamp_(tiny(squared.dtype), 1.0).sqrt_().asin_()
+    return DistanceTerm(*half_chord_operands(a, b), ("arcsin_of_root",), 2.0)
 
 
 def _arcsin_of_half_chord(squared_half_chord: torch.Tensor) -> torch.Tensor:

@@ -28,13 +28,11 @@ from .geometry import (
 )
 from .numerics import (
     acosh1p,
-    acosh1p_,
     artanh_eps,
     boundary_eps,
     gram_operands,
     safe_norm,
     safe_sqrt,
-    safe_sqrt_,
     tiny,
 )
 
@@ -217,15 +215,10 @@ def distance_term(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> Distance
         return None
     operands = _weighted_chord_operands(x, y, k, sign)
     if sign < 0:
-        return DistanceTerm(*operands, acosh1p_, 1 / (-k).sqrt())
+        return DistanceTerm(*operands, ("acosh1p",), 1 / (-k).sqrt())
     if sign > 0:
-        return DistanceTerm(*operands, _arcsin_of_root_, 2 / k.sqrt())
-    return DistanceTerm(*operands, safe_sqrt_, 2.0)
-
-
-def _arcsin_of_root_(v: torch.Tensor) -> torch.Tensor:
-    """`arcsin(min(sqrt(v), 1))` in place (no gradient)."""
-    return v.clamp_(tiny(v.dtype), 1.0).sqrt_().asin_()
+        return DistanceTerm(*operands, ("arcsin_of_root",), 2 / k.sqrt())
+    return DistanceTerm(*operands, ("sqrt",), 2.0)
 
 
 def distance_from_squared_chord(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention
+from rewa.attention.numerics import apply_stages_
 from tests.support import TOLERANCES, build_geometry
 
 F64 = TOLERANCES[torch.float64]
@@ -41,7 +42,7 @@ def logits_from_terms(terms):
     total = 0
     for term in terms:
         product = term.queries @ term.keys.transpose(-1, -2)
-        value = product if term.transform_ is None else term.transform_(product)
+        value = apply_stages_(product, term.stages)
         total = total + term.weight * value
     return total
 
