@@ -12,14 +12,20 @@ import math
 
 import torch
 
+from . import cuda_kernel
 from .allocator import retain_freed_memory
 from .dot import DotProduct
 from .geometry import Geometry, ScoreTerm, check_attention_inputs
 from .numerics import apply_stages_, compute_dtype, exp2_of_shifted_, exp_of_shifted_
 
-DEFAULT_Q_CHUNK = 256
-DEFAULT_K_CHUNK = 2048
+DEFAULT_CHUNKS = {"cpu": (256, 2048), "cuda": (2048, 8192)}
+"""Tile sizes `(q_chunk, k_chunk)` by device type: on CPUs tiles of a few MB, on GPUs larger
+tiles, as each tile costs a few kernel launches."""
 LOG2E = math.log2(math.e)
+_SDPA_DTYPES = {
+    "cpu": (torch.float32, torch.float64),
+    "cuda": (torch.float32, torch.float16, torch.bfloat16),
+}
 
 
 def dense_attention(
@@ -30,8 +36,8 @@ def dense_attention(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     *,
-    q_chunk: int = DEFAULT_Q_CHUNK,
-    k_chunk: int = DEFAULT_K_CHUNK,
+    q_chunk: int | None = None,
+    k_chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention `(out, lse)` under `geometry`.
 
@@ -44,13 +50,18 @@ def dense_attention(
             (added to the logits).
         causal: query i attends key j only if `j <= i + Nk - Nq` (aligned bottom-right, so
             queries that continue a stored context see all of it; equal to SDPA when Nq = Nk).
-        q_chunk, k_chunk: tile sizes.
+        q_chunk, k_chunk: tile sizes (default: `DEFAULT_CHUNKS` of the device). On CUDA, float32
+            inputs without a user mask run in one fused kernel (attention/cuda_kernel.py)
+            instead, for every geometry with a product form.
 
     Returns:
         `out (..., Nq, dv)` in the dtype of `q` and `lse (..., Nq)` (float32 for half inputs),
         the natural-log partition function of each query's logits. A query that may attend no
         key gets `out = 0`, `lse = -inf`.
     """
+    default_q_chunk, default_k_chunk = DEFAULT_CHUNKS.get(q.device.type, DEFAULT_CHUNKS["cuda"])
+    q_chunk = default_q_chunk if q_chunk is None else q_chunk
+    k_chunk = default_k_chunk if k_chunk is None else k_chunk
     _check_inputs(q, k, v, geometry, mask, q_chunk, k_chunk)
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape(1, -1)
@@ -98,16 +109,17 @@ def _sdpa_applies(
     mask: torch.Tensor | None,
     causal: bool,
 ) -> bool:
-    """PyTorch's fused CPU flash-attention kernel returns the same `(out, lse)` for the plain
-    dot-product geometry on CPU inputs of one shape and dtype; use it there."""
+    """PyTorch's fused kernels return the same `(out, lse)` for the plain dot-product geometry
+    on inputs of one shape and dtype: the CPU flash-attention kernel (float32, float64) and the
+    CUDA memory-efficient one (float32, float16, bfloat16); use them there."""
+    dtypes = _SDPA_DTYPES.get(q.device.type, ())
     return (
         type(geometry) is DotProduct
         and mask is None
-        and q.device.type == "cpu"
         and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
         and v.shape[-1] == q.shape[-1]
         and q.dtype == k.dtype == v.dtype
-        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype in dtypes
         and k.shape[-2] > 0
         and (not causal or q.shape[-2] == k.shape[-2])
     )
@@ -118,9 +130,16 @@ def _fused_dot_product(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel on inputs flattened to its `(B, 1, N, d)` layout."""
     batch = q.shape[:-2]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *(t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v)), is_causal=causal, scale=scale
-    )
+    flat = [t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v)]
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            *flat, None, True, is_causal=causal, scale=scale
+        )[:2]
+        lse = lse[..., : q.shape[-2]]  # the kernel pads its lse rows to a multiple of 32
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *flat, is_causal=causal, scale=scale
+        )
     return out.reshape(*batch, *out.shape[-2:]), lse.reshape(*batch, lse.shape[-1])
 
 
@@ -203,18 +222,19 @@ def _tiled_forward(
     kw: torch.Tensor,
     v: torch.Tensor,
     geometry: Geometry,
+    terms: list[ScoreTerm] | None,
     mask: torch.Tensor | None,
     causal: bool,
     q_chunk: int,
     k_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The online softmax over key tiles, in base 2 (`exp2` costs half of `exp` on CPUs, as in
+    """The online softmax over key tiles, from base-2 `terms` (`_base2_terms`) or else
+    `geometry.score`, in base 2 (`exp2` costs half of `exp` on CPUs, as in
     FlashAttention); `lse` is returned in nats."""
     n_queries, n_keys = qw.shape[-2], kw.shape[-2]
     offset = n_keys - n_queries
     masked = mask is not None or causal
     batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
-    terms = _base2_terms(geometry.score_terms(qw, kw))
     out = qw.new_zeros(*batch, n_queries, v.shape[-1])
     lse = qw.new_full((*batch, n_queries), float("-inf"))
     for q_start in range(0, n_queries, q_chunk):
@@ -246,7 +266,11 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qw, kw, v, mask, causal, geometry, q_chunk, k_chunk, *params):
-        out, lse = _tiled_forward(qw, kw, v, geometry, mask, causal, q_chunk, k_chunk)
+        terms = _base2_terms(geometry.score_terms(qw, kw))
+        if cuda_kernel.applies(qw, terms, mask):
+            out, lse = cuda_kernel.fused_attention(terms, v, causal)
+        else:
+            out, lse = _tiled_forward(qw, kw, v, geometry, terms, mask, causal, q_chunk, k_chunk)
         ctx.save_for_backward(qw, kw, v, out, lse, *params)
         ctx.mask, ctx.causal, ctx.geometry = mask, causal, geometry
         ctx.q_chunk, ctx.k_chunk = q_chunk, k_chunk

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .dense import DEFAULT_K_CHUNK, DEFAULT_Q_CHUNK, dense_attention
+from .dense import dense_attention
 from .geometry import Geometry
 from .registry import make_geometry
 
@@ -38,8 +38,8 @@ class GeometricAttention(nn.Module):
         head_dim: int | None = None,
         bias: bool = True,
         geometry_options: dict[str, Any] | None = None,
-        q_chunk: int = DEFAULT_Q_CHUNK,
-        k_chunk: int = DEFAULT_K_CHUNK,
+        q_chunk: int | None = None,
+        k_chunk: int | None = None,
     ) -> None:
         super().__init__()
         if head_dim is None:

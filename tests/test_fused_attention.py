@@ -5,7 +5,7 @@ every tile with `score`, in value and in gradient."""
 import pytest
 import torch
 
-from rewa.attention import dense_attention
+from rewa.attention import cuda_kernel, dense_attention
 from rewa.attention.numerics import apply_stages_
 from tests.support import TOLERANCES, build_geometry
 
@@ -135,3 +135,82 @@ def test_geometries_without_product_form_score_every_tile(name):
         out, _ = dense_attention(q, k, v, g, q_chunk=16, k_chunk=40)
         weights = torch.softmax(g.logits(q, k), dim=-1)
     torch.testing.assert_close(out, weights @ v, **F64)
+
+
+def test_kernel_packing_keeps_every_terms_product_and_weight():
+    """The CUDA kernel's operands (attention/cuda_kernel.py): each term padded to a power of two
+    of at least 16 and concatenated; one weight per term and batch row; stage codes by name."""
+    g = build_geometry("product", 20, heads=3)
+    q, k, _ = inputs(torch.float64, d=20, batch=(2, 3))
+    with torch.no_grad():
+        terms = g.score_terms(g.witness(q), g.witness(k))
+        packed = cuda_kernel.pack_terms(terms, torch.Size((2, 3)))
+    # Components of 5, 10 and 5 dimensions: 7, 11 and 7 columns, padded to 16 (no extras).
+    assert packed.widths == (16, 16, 16) and packed.extras == (0, 0, 0)
+    assert packed.codes == ((2, 0), (3, 0), (4, 0))  # sqrt, arcsin_of_root, acosh1p
+    assert packed.queries.shape == (6, 67, 48) and packed.keys.shape == (6, 150, 48)
+    assert packed.query_extra.shape == (6, 67, 6) and not packed.query_extra.any()
+    start = 0
+    for i, (term, width) in enumerate(zip(terms, packed.widths, strict=True)):
+        columns = slice(start, start + width)
+        product = packed.queries[..., columns] @ packed.keys[..., columns].transpose(-1, -2)
+        expected = (term.queries @ term.keys.transpose(-1, -2)).reshape(6, 67, 150)
+        torch.testing.assert_close(product, expected, **F64)
+        weight = torch.as_tensor(term.weight).reshape(3).to(torch.float32)
+        torch.testing.assert_close(packed.weights[:, i], weight.repeat(2))
+        start += width
+    assert packed.weights.shape == (6, cuda_kernel.MAX_TERMS)
+
+
+@pytest.mark.parametrize(
+    ("width", "split"), [(1, (16, 0)), (16, (16, 0)), (18, (16, 2)), (19, (32, 0)), (66, (64, 2))]
+)
+def test_kernel_main_blocks_are_powers_of_two_and_two_extras_at_most(width, split):
+    assert cuda_kernel.split_width(width) == split
+
+
+@pytest.mark.parametrize("name", ["euclidean", "sphere", "poincare", "product"])
+def test_kernel_extra_columns_complete_the_products(name):
+    """Width 64 (+ 1 or 2 Gram columns): the main block's product plus the rank-one products of
+    the extra columns is each term's product."""
+    g = build_geometry(name, 64, heads=2)
+    q, k, _ = inputs(torch.float64, d=64, batch=(2,))
+    with torch.no_grad():
+        terms = g.score_terms(g.witness(q), g.witness(k))
+        packed = cuda_kernel.pack_terms(terms, torch.Size((2,)))
+    assert sum(packed.extras) > 0
+    start = 0
+    for slot, (term, width, extra) in enumerate(
+        zip(terms, packed.widths, packed.extras, strict=True)
+    ):
+        main = slice(start, start + width)
+        product = packed.queries[..., main] @ packed.keys[..., main].transpose(-1, -2)
+        for column in range(slot * 2, slot * 2 + extra):
+            product = product + (
+                packed.query_extra[..., column, None] * packed.key_extra[..., None, :, column]
+            )
+        expected = term.queries @ term.keys.transpose(-1, -2)
+        torch.testing.assert_close(product, expected.expand_as(product), **F64)
+        start += width
+
+
+def test_kernel_applies_only_to_float32_cuda_calls_without_a_user_mask(monkeypatch):
+    g = build_geometry("euclidean", 8)
+    qw = torch.randn(5, 8)
+    terms = g.score_terms(qw, qw)
+    assert not cuda_kernel.applies(qw, terms, None)  # a CPU tensor
+
+    class FakeCuda:
+        device = torch.device("cuda")
+        dtype = torch.float32
+
+    monkeypatch.setattr(cuda_kernel, "available", lambda: True)
+    assert cuda_kernel.applies(FakeCuda(), terms, None)
+    assert not cuda_kernel.applies(FakeCuda(), terms, torch.ones(5, 5, dtype=torch.bool))
+    assert not cuda_kernel.applies(FakeCuda(), None, None)
+    assert not cuda_kernel.applies(FakeCuda(), terms * 4, None)
+    FakeCuda.dtype = torch.float64
+    assert not cuda_kernel.applies(FakeCuda(), terms, None)
+    monkeypatch.setattr(cuda_kernel, "available", lambda: False)
+    FakeCuda.dtype = torch.float32
+    assert not cuda_kernel.applies(FakeCuda(), terms, None)

@@ -1,0 +1,153 @@
+"""The CUDA paths on a GPU: the fused kernel (attention/cuda_kernel.py), the tiled fallback,
+gradients, sparse and tail attention, each against the same computation on the CPU.
+
+These tests need a CUDA device; on machines without one they are skipped, and the CUDA dispatch
+is covered by the CPU-side tests of tests/test_fused_attention.py and tests/test_tail.py."""
+
+import pytest
+import torch
+
+from rewa.attention import cuda_kernel, dense_attention
+from rewa.index import KeyClusters, retrieval_attention, tail_attention
+from tests.support import build_geometry
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+CUDA = torch.device("cuda")
+GEOMETRIES = [
+    ("dot", {}),
+    ("euclidean", {}),
+    ("euclidean", {"power": 2}),
+    ("sphere", {}),
+    ("poincare", {}),
+    ("poincare", {"power": 2}),
+    ("kappa", {"kappa": [-0.7, -0.2, -1.5]}),
+    ("kappa", {"kappa": [0.4, 0.9, 0.1]}),
+    ("kappa", {"kappa": 0.0}),
+    ("product", {}),
+    ("graded", {}),
+    ("random_features", {}),
+    ("operator", {}),
+    ("cone", {}),
+    ("adaptive_product", {}),
+]
+IDS = [f"{name}-{options}" for name, options in GEOMETRIES]
+F32 = {"rtol": 2e-5, "atol": 2e-5}
+
+
+def inputs(nq, nk, d=8, dv=5, batch=(2, 3), dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(*batch, n, d, generator=generator, dtype=dtype) for n in (nq, nk))
+    return q, k, torch.randn(*batch, nk, dv, generator=generator, dtype=dtype)
+
+
+def test_the_kernel_is_available():
+    assert cuda_kernel.available()
+
+
+@pytest.mark.parametrize(("name", "options"), GEOMETRIES, ids=IDS)
+@pytest.mark.parametrize(("nq", "nk"), [(67, 150), (130, 130), (1, 300), (200, 40)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_attention_on_cuda_is_as_accurate_as_on_the_cpu(name, options, nq, nk, causal):
+    """Float32 on both devices against float64: the Gram expansions of float32 distances
+    cancel for near points (components of 2 dimensions here), so both differ from float64 by
+    more than rounding, and the CUDA result must be no further from it than the CPU's."""
+    g = build_geometry(name, 8, heads=3, **options)
+    q, k, v = inputs(nq, nk, dtype=torch.float64)
+    with torch.no_grad():
+        exact = dense_attention(q, k, v, g, causal=causal)
+        g32 = g.float()
+        cpu = dense_attention(q.float(), k.float(), v.float(), g32, causal=causal)
+        g_cuda = g32.to(CUDA)
+        cuda = dense_attention(*(t.float().to(CUDA) for t in (q, k, v)), g_cuda, causal=causal)
+    for i in range(2):
+        finite = torch.isfinite(exact[i])
+        assert torch.equal(torch.isfinite(cuda[i].cpu()), finite)
+        cpu_error = (cpu[i].double() - exact[i])[finite].abs().max()
+        cuda_error = (cuda[i].cpu().double() - exact[i])[finite].abs().max()
+        assert cuda_error <= 2 * cpu_error + 2e-6
+
+
+@pytest.mark.parametrize("name", ["euclidean", "sphere", "poincare", "product"])
+def test_the_kernel_and_the_tiled_path_agree_on_cuda(name, monkeypatch):
+    g = build_geometry(name, 64, heads=2).float().to(CUDA)
+    q, k, v = (t.to(CUDA) for t in inputs(1000, 3000, d=64, dv=64, batch=(2,)))
+    with torch.no_grad():
+        fused = dense_attention(q, k, v, g, causal=True)
+        monkeypatch.setattr(cuda_kernel, "applies", lambda *args: False)
+        tiled = dense_attention(q, k, v, g, causal=True, q_chunk=256, k_chunk=512)
+    torch.testing.assert_close(fused[0], tiled[0], **F32)
+    torch.testing.assert_close(fused[1], tiled[1], **F32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_accumulate_in_float32(dtype):
+    g = build_geometry("poincare", 64, heads=2).float()
+    q, k, v = inputs(300, 500, d=64, dv=64, batch=(2,))
+    with torch.no_grad():
+        expected, expected_lse = dense_attention(*(t.to(dtype).float() for t in (q, k, v)), g)
+        out, lse = dense_attention(*(t.to(dtype).to(CUDA) for t in (q, k, v)), g.to(CUDA))
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.cpu(), expected_lse, **F32)
+
+
+@pytest.mark.parametrize("name", ["dot", "sphere", "poincare", "kappa", "product"])
+def test_gradients_on_cuda_equal_the_cpus(name):
+    g = build_geometry(name, 8, heads=3).float()
+    q, k, v = inputs(40, 70)
+
+    def gradients(geometry, device):
+        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        out, lse = dense_attention(*leaves, geometry, causal=True)
+        (out.square().sum() + lse.sum()).backward()
+        params = [p.grad.cpu() for p in geometry.parameters() if p.grad is not None]
+        return [t.grad.cpu() for t in leaves] + params
+
+    expected = gradients(g, torch.device("cpu"))
+    g.zero_grad()
+    actual = gradients(g.to(CUDA), CUDA)
+    assert len(actual) == len(expected)
+    for grad, reference in zip(actual, expected, strict=True):
+        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
+def test_tail_attention_on_cuda_equals_the_cpu(name):
+    g = build_geometry(name, 16).float()
+    generator = torch.Generator().manual_seed(3)
+    k = torch.randn(3000, 16, generator=generator)
+    v = torch.randn(3000, 8, generator=generator)
+    q = torch.randn(100, 16, generator=generator)
+    with torch.no_grad():
+        cpu = KeyClusters.build(g.witness(k), v, g, n_clusters=12, device="cpu")
+        expected = tail_attention(q, cpu, budget=0.2)
+        g_cuda = g.to(CUDA)
+        clusters = KeyClusters.build(g_cuda.witness(k.to(CUDA)), v.to(CUDA), g_cuda, n_clusters=12)
+        out, lse = tail_attention(q.to(CUDA), clusters, budget=0.2)
+        dense_out, _ = dense_attention(q, k, v, g)
+    # k-means may differ between devices; both estimates must be close to dense attention.
+    for result in (expected[0], out.cpu()):
+        error = (result - dense_out).norm(dim=-1) / dense_out.norm(dim=-1)
+        assert error.median() < 0.05
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("index", ["ivf", "flat", "lsh"])
+def test_retrieval_attention_on_cuda_equals_the_cpu(index):
+    """The index is built by the same (CPU) FAISS or LSH code on both devices; the candidate
+    sets, and so the attention, are the same."""
+    g = build_geometry("dot", 16).float()
+    generator = torch.Generator().manual_seed(4)
+    k = torch.randn(2000, 16, generator=generator)
+    v = torch.randn(2000, 8, generator=generator)
+    q = torch.randn(50, 16, generator=generator)
+    with torch.no_grad():
+        expected = retrieval_attention(q, k, v, g, top_k=32, index=index)
+        g_cuda = g.to(CUDA)
+        out, lse = retrieval_attention(
+            q.to(CUDA), k.to(CUDA), v.to(CUDA), g_cuda, top_k=32, index=index
+        )
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), expected[0], **F32)
+    torch.testing.assert_close(lse.cpu(), expected[1], **F32)
