@@ -30,6 +30,9 @@ MAX_TERMS = 3
 MAX_STAGES = 2
 MAX_EXTRA = 2
 STAGE_CODES = {"clamp_to_zero": 1, "sqrt": 2, "arcsin_of_root": 3, "acosh1p": 4, "square": 5}
+INPUT_PRECISION = "ieee"
+"""`tl.dot`'s input precision: "ieee" (float32 on the FMA units) or "tf32x3" (three TF32
+tensor-core products, about float32's accuracy)."""
 EXP2_FLOOR = -64.0 * math.log2(math.e)
 """The floor of the shifted base-2 logits (`numerics.exp_of_shifted_`'s -64 nats)."""
 
@@ -167,6 +170,7 @@ def fused_attention(
         A0=codes[0][0], A1=codes[0][1], B0=codes[1][0], B1=codes[1][1],
         C0=codes[2][0], C1=codes[2][1],
         DV=dv_padded, CAUSAL=causal, TINY=tiny(torch.float32), FLOOR=EXP2_FLOOR,
+        PRECISION=INPUT_PRECISION,
     )  # fmt: skip
     out = out[..., :dv].reshape(*batch, n_queries, dv)
     return out, lse.reshape(*batch, n_queries)
@@ -206,14 +210,15 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
     @triton.jit
     def term(q, qx0, qx1, K, XK, key_base, key_extra_base, cols, col_ok, stride_kn, stride_xn,
              OFFSET: tl.constexpr, D: tl.constexpr, X: tl.constexpr, SLOT: tl.constexpr,
-             S0: tl.constexpr, S1: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
+             S0: tl.constexpr, S1: tl.constexpr, TINY: tl.constexpr,
+             PRECISION: tl.constexpr):  # fmt: skip
         dims = OFFSET + tl.arange(0, D)
         k = tl.load(
             K + key_base + cols[None, :] * stride_kn + dims[:, None],
             mask=col_ok[None, :],
             other=0.0,
         )
-        s = tl.dot(q, k, input_precision="ieee")
+        s = tl.dot(q, k, input_precision=PRECISION)
         extra = XK + key_extra_base + cols * stride_xn + SLOT * 2
         if X > 0:
             s += qx0[:, None] * tl.load(extra, mask=col_ok, other=0.0)[None, :]
@@ -223,10 +228,10 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
 
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 32, 4, 2), (64, 32, 4, 3)]
+        for m, n, w, st in [(64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 3)]
     ]
 
-    @triton.autotune(configs, key=["D0", "D1", "D2", "X0", "X1", "X2", "DV", "CAUSAL"])
+    @triton.autotune(configs, key=["D0", "D1", "D2", "X0", "X1", "X2", "DV", "CAUSAL", "PRECISION"])
     @triton.jit
     def kernel(
         Q, K, XQ, XK, V, W, OUT, LSE,
@@ -238,7 +243,7 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
         A0: tl.constexpr, A1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
         C0: tl.constexpr, C1: tl.constexpr,
         DV: tl.constexpr, CAUSAL: tl.constexpr, TINY: tl.constexpr, FLOOR: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         block = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -293,6 +298,7 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
                 A0,
                 A1,
                 TINY,
+                PRECISION,
             )
             if D1 > 0:
                 logits += w1 * term(
@@ -314,6 +320,7 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
                     B0,
                     B1,
                     TINY,
+                    PRECISION,
                 )
             if D2 > 0:
                 logits += w2 * term(
@@ -335,6 +342,7 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
                     C0,
                     C1,
                     TINY,
+                    PRECISION,
                 )
             valid = col_ok[None, :] & row_ok[:, None]
             if CAUSAL:
@@ -351,7 +359,7 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
                 mask=col_ok[:, None],
                 other=0.0,
             )
-            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision="ieee")
+            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=PRECISION)
             running_max = new_max
         seen = total > 0
         out = acc / tl.where(seen, total, 1.0)[:, None]

@@ -89,7 +89,7 @@ class LiftIndex:
         self.settings = settings or IndexSettings()
         self.device = faiss_device(device)
         self.index: faiss.Index | None = None
-        self._lists: list[torch.Tensor] | None = None
+        self._lists: dict[torch.device, list[torch.Tensor]] | None = None
         self.radius: float | None = None  # M of the inner-product-to-L2 augmentation, if used
 
     @property
@@ -159,30 +159,36 @@ class LiftIndex:
         self.index = index
         self._lists = None
 
-    def lists(self) -> list[torch.Tensor]:
-        """The ids in each IVF list (computed once from the coarse quantizer's assignment)."""
+    def lists(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """The ids in each IVF list on `device` (computed once per device from the coarse
+        quantizer's assignment)."""
         if self.settings.kind != "ivf" or self.index is None:
             raise RuntimeError("LiftIndex.lists needs a built IVF index")
+        device = torch.device(device)
         if self._lists is None:
             ivf = faiss.extract_index_ivf(self.index)
             invlists = ivf.invlists
-            self._lists = [
-                torch.from_numpy(
-                    faiss.rev_swig_ptr(invlists.get_ids(c), invlists.list_size(c)).copy()
-                ).long()
-                for c in range(ivf.nlist)
-            ]
-        return self._lists
+            self._lists = {
+                torch.device("cpu"): [
+                    torch.from_numpy(
+                        faiss.rev_swig_ptr(invlists.get_ids(c), invlists.list_size(c)).copy()
+                    ).long()
+                    for c in range(ivf.nlist)
+                ]
+            }
+        if device not in self._lists:
+            self._lists[device] = [ids.to(device) for ids in self._lists[torch.device("cpu")]]
+        return self._lists[device]
 
     def probe(self, queries: torch.Tensor) -> torch.Tensor:
-        """The `nprobe` IVF lists each query visits, `(nq, nprobe)`."""
+        """The `nprobe` IVF lists each query visits, `(nq, nprobe)`, on the queries' device."""
         ivf = faiss.extract_index_ivf(self.index)
         _, cells = ivf.quantizer.search(self._queries(queries), ivf.nprobe)
-        return torch.from_numpy(cells).long()
+        return torch.from_numpy(cells).long().to(queries.device)
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(D, I)` of shape `(nq, k)`: L2 distances ascending or inner products descending;
-        `I = -1` where fewer than k results exist."""
+        """`(D, I)` of shape `(nq, k)` on the queries' device: L2 distances ascending or inner
+        products descending; `I = -1` where fewer than k results exist."""
         if self.index is None:
             raise RuntimeError("LiftIndex.search before add()")
         x = self._queries(queries)
@@ -191,7 +197,7 @@ class LiftIndex:
         if self.augmented:  # back to inner products: (|q|^2 + M^2 - L2^2) / 2
             squared = torch.from_numpy(x).square().sum(-1, keepdim=True)
             distances = (squared + self.radius**2 - distances) / 2
-        return distances, torch.from_numpy(ids)
+        return distances.to(queries.device), torch.from_numpy(ids).to(queries.device)
 
     def serialize(self) -> bytes:
         if self.index is None:

@@ -35,12 +35,13 @@ def supports_ivf_blocks(index: object) -> bool:
 def _probe_pairs(index: GeometryIndex, queries_w: torch.Tensor):
     """Lists, probes `(nq, nprobe)`, and the (query, probe) pairs grouped by list."""
     part = index.parts[0]
-    lists = part.lists()
+    lists = part.lists(queries_w.device)
     (query_lift,) = index.geometry.lift(queries_w, "query")
     probes = part.probe(query_lift.vectors)
     pair_cell = probes.flatten()
     pair_order = pair_cell.argsort(stable=True)
-    bounds = torch.searchsorted(pair_cell[pair_order], torch.arange(len(lists) + 1)).tolist()
+    cells = torch.arange(len(lists) + 1, device=pair_cell.device)
+    bounds = torch.searchsorted(pair_cell[pair_order], cells).tolist()
     return lists, probes, pair_order, bounds
 
 
@@ -103,7 +104,7 @@ def ivf_block_topk(
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
     n_queries, nprobe = probes.shape
     best = queries_w.new_full((n_queries, nprobe, top_k), float("-inf"))
-    ids = torch.full((n_queries, nprobe, top_k), -1, dtype=torch.long)
+    ids = torch.full((n_queries, nprobe, top_k), -1, dtype=torch.long, device=queries_w.device)
     for cell, keys in enumerate(lists):
         start, stop = bounds[cell], bounds[cell + 1]
         if start == stop or keys.numel() == 0:

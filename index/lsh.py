@@ -146,7 +146,8 @@ class CompositeLSH:
             if isinstance(family, GridHash):
                 family.calibrate(view(keys_w, "key"))
         buckets = self._buckets(keys_w, "key")  # (n, L)
-        shuffle = torch.randperm(keys_w.shape[0], generator=torch.Generator().manual_seed(1))
+        generator = torch.Generator().manual_seed(1)
+        shuffle = torch.randperm(keys_w.shape[0], generator=generator).to(keys_w.device)
         buckets = buckets[shuffle]
         self.sorted_buckets, within = buckets.T.contiguous().sort(dim=-1, stable=True)  # (L, n)
         self.order = shuffle[within]  # key index at each sorted position, per table

@@ -4,6 +4,8 @@ gradients, sparse and tail attention, each against the same computation on the C
 These tests need a CUDA device; on machines without one they are skipped, and the CUDA dispatch
 is covered by the CPU-side tests of tests/test_fused_attention.py and tests/test_tail.py."""
 
+import copy
+
 import pytest
 import torch
 
@@ -94,43 +96,44 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
 
 @pytest.mark.parametrize("name", ["dot", "sphere", "poincare", "kappa", "product"])
 def test_gradients_on_cuda_equal_the_cpus(name):
-    g = build_geometry(name, 8, heads=3).float()
+    g_cpu = build_geometry(name, 8, heads=3).float()
+    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
     q, k, v = inputs(40, 70)
 
     def gradients(geometry, device):
-        leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().to(device).clone().requires_grad_() for t in (q, k, v)]
         out, lse = dense_attention(*leaves, geometry, causal=True)
         (out.square().sum() + lse.sum()).backward()
         params = [p.grad.cpu() for p in geometry.parameters() if p.grad is not None]
         return [t.grad.cpu() for t in leaves] + params
 
-    expected = gradients(g, torch.device("cpu"))
-    g.zero_grad()
-    actual = gradients(g.to(CUDA), CUDA)
-    assert len(actual) == len(expected)
+    expected = gradients(g_cpu, torch.device("cpu"))
+    actual = gradients(g_cuda, CUDA)
+    assert len(actual) == len(expected) >= 3
     for grad, reference in zip(actual, expected, strict=True):
         torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["dot", "poincare", "product"])
 def test_tail_attention_on_cuda_equals_the_cpu(name):
-    g = build_geometry(name, 16).float()
+    """The same clusters (built on the CPU, loaded on the GPU): the same keys read, the same
+    estimate up to the value shift's bfloat16 product on CUDA (index/tail.py `shift_dtype`)."""
+    g_cpu = build_geometry(name, 16).float()
+    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
     generator = torch.Generator().manual_seed(3)
     k = torch.randn(3000, 16, generator=generator)
     v = torch.randn(3000, 8, generator=generator)
     q = torch.randn(100, 16, generator=generator)
     with torch.no_grad():
-        cpu = KeyClusters.build(g.witness(k), v, g, n_clusters=12, device="cpu")
-        expected = tail_attention(q, cpu, budget=0.2)
-        g_cuda = g.to(CUDA)
-        clusters = KeyClusters.build(g_cuda.witness(k.to(CUDA)), v.to(CUDA), g_cuda, n_clusters=12)
-        out, lse = tail_attention(q.to(CUDA), clusters, budget=0.2)
-        dense_out, _ = dense_attention(q, k, v, g)
-    # k-means may differ between devices; both estimates must be close to dense attention.
-    for result in (expected[0], out.cpu()):
-        error = (result - dense_out).norm(dim=-1) / dense_out.norm(dim=-1)
-        assert error.median() < 0.05
-    assert torch.isfinite(lse).all()
+        clusters = KeyClusters.build(g_cpu.witness(k), v, g_cpu, n_clusters=12)
+        on_cuda = KeyClusters.from_bytes(clusters.to_bytes(), g_cuda, device=CUDA)
+        cpu_report, cuda_report = {}, {}
+        expected, expected_lse = tail_attention(q, clusters, budget=0.2, report=cpu_report)
+        out, lse = tail_attention(q.to(CUDA), on_cuda, budget=0.2, report=cuda_report)
+    assert torch.equal(cuda_report["keys_read"].cpu(), cpu_report["keys_read"])
+    difference = (out.cpu() - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert difference.max() < 1e-2
+    torch.testing.assert_close(lse.cpu(), expected_lse, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("index", ["ivf", "flat", "lsh"])
