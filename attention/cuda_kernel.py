@@ -10,9 +10,9 @@ power-of-two width of at least 16 (what `tl.dot` takes; zero columns leave the p
 unchanged) and at most two extra columns (the norms and ones of a Gram expansion, added as
 rank-one corrections, so a 66-wide Euclidean operand costs a 64-wide product, not a 128-wide
 one), and expands the per-head weights to one row per batch element. It is plain PyTorch, so it
-is tested on any machine; the kernel needs CUDA and Triton (`available()`). Products run in IEEE
-float32, never TF32: the Gram expansions of the distance geometries cancel, and TF32's 10-bit
-mantissa would cost them three decimal digits.
+is tested on any machine; the kernel needs CUDA and Triton (`available()`). Products run at
+float32 accuracy (`INPUT_PRECISION`), never in plain TF32: the Gram expansions of the distance
+geometries cancel, and TF32's 10-bit mantissa would cost them three decimal digits.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ MAX_TERMS = 3
 MAX_STAGES = 2
 MAX_EXTRA = 2
 STAGE_CODES = {"clamp_to_zero": 1, "sqrt": 2, "arcsin_of_root": 3, "acosh1p": 4, "square": 5}
-INPUT_PRECISION = "ieee"
-"""`tl.dot`'s input precision: "ieee" (float32 on the FMA units) or "tf32x3" (three TF32
-tensor-core products, about float32's accuracy)."""
+INPUT_PRECISION = "tf32x3"
+"""`tl.dot`'s input precision: "tf32x3" (three TF32 tensor-core products with float32's
+accuracy, as cuBLAS's 3xTF32) or "ieee" (float32 on the FMA units, 2.5-4.5x slower on an H100;
+docs/benchmarks.md)."""
 EXP2_FLOOR = -64.0 * math.log2(math.e)
 """The floor of the shifted base-2 logits (`numerics.exp_of_shifted_`'s -64 nats)."""
 
@@ -165,7 +166,7 @@ def fused_attention(
         packed.key_extra.stride(0), packed.key_extra.stride(1),
         values.stride(0), values.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), packed.weights.stride(0),
-        n_queries, n_keys, n_keys - n_queries,
+        n_queries, n_keys, n_keys - n_queries, padded_width(n_queries),
         D0=widths[0], D1=widths[1], D2=widths[2], X0=extras[0], X1=extras[1], X2=extras[2],
         A0=codes[0][0], A1=codes[0][1], B0=codes[1][0], B1=codes[1][1],
         C0=codes[2][0], C1=codes[2][1],
@@ -228,16 +229,21 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
 
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-        for m, n, w, st in [(64, 64, 4, 2), (128, 64, 8, 3), (64, 32, 4, 3)]
+        for m, n, w, st in [(32, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3)]
     ]
 
-    @triton.autotune(configs, key=["D0", "D1", "D2", "X0", "X1", "X2", "DV", "CAUSAL", "PRECISION"])
+    # Tuned per power-of-two number of queries (`n_bucket`): short contexts need small query
+    # blocks to occupy every multiprocessor.
+    @triton.autotune(
+        configs,
+        key=["n_bucket", "D0", "D1", "D2", "X0", "X1", "X2", "DV", "CAUSAL", "PRECISION"],
+    )
     @triton.jit
     def kernel(
         Q, K, XQ, XK, V, W, OUT, LSE,
         stride_qb, stride_qm, stride_kb, stride_kn, stride_xqb, stride_xqm, stride_xkb, stride_xkn,
         stride_vb, stride_vn, stride_ob, stride_om, stride_lb, stride_wb,
-        n_q, n_k, offset,
+        n_q, n_k, offset, n_bucket,
         D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
         X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
         A0: tl.constexpr, A1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,

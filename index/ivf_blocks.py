@@ -128,7 +128,7 @@ def probed_keys(index: GeometryIndex, queries_w: torch.Tensor) -> torch.Tensor:
     lists, probes, _, _ = _probe_pairs(index, queries_w)
     rows = [torch.cat([lists[c] for c in row.tolist()]) for row in probes]
     width = max((len(r) for r in rows), default=0)
-    out = torch.full((len(rows), width), -1, dtype=torch.long)
+    out = torch.full((len(rows), width), -1, dtype=torch.long, device=queries_w.device)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out

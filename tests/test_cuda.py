@@ -95,23 +95,27 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
 
 
 @pytest.mark.parametrize("name", ["dot", "sphere", "poincare", "kappa", "product"])
-def test_gradients_on_cuda_equal_the_cpus(name):
-    g_cpu = build_geometry(name, 8, heads=3).float()
-    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
-    q, k, v = inputs(40, 70)
+def test_gradients_on_cuda_are_as_accurate_as_on_the_cpu(name):
+    """Float32 gradients on both devices against float64 ones (the backward pass recomputes
+    tiles with PyTorch's operations on either device; see the forward test for why float32
+    differs from float64 by more than rounding here)."""
+    g64 = build_geometry(name, 8, heads=3)
+    q, k, v = inputs(40, 70, dtype=torch.float64)
 
-    def gradients(geometry, device):
-        leaves = [t.detach().to(device).clone().requires_grad_() for t in (q, k, v)]
+    def gradients(geometry, dtype, device):
+        leaves = [t.detach().to(device, dtype).requires_grad_() for t in (q, k, v)]
         out, lse = dense_attention(*leaves, geometry, causal=True)
         (out.square().sum() + lse.sum()).backward()
-        params = [p.grad.cpu() for p in geometry.parameters() if p.grad is not None]
-        return [t.grad.cpu() for t in leaves] + params
+        params = [p.grad.cpu().double() for p in geometry.parameters() if p.grad is not None]
+        return [t.grad.cpu().double() for t in leaves] + params
 
-    expected = gradients(g_cpu, torch.device("cpu"))
-    actual = gradients(g_cuda, CUDA)
-    assert len(actual) == len(expected) >= 3
-    for grad, reference in zip(actual, expected, strict=True):
-        torch.testing.assert_close(grad, reference, rtol=1e-4, atol=1e-4)
+    exact = gradients(g64, torch.float64, "cpu")
+    cpu = gradients(copy.deepcopy(g64).float(), torch.float32, "cpu")
+    cuda = gradients(copy.deepcopy(g64).float().to(CUDA), torch.float32, CUDA)
+    assert len(cuda) == len(cpu) == len(exact) >= 3
+    for on_cuda, on_cpu, reference in zip(cuda, cpu, exact, strict=True):
+        cpu_error = (on_cpu - reference).abs().max()
+        assert (on_cuda - reference).abs().max() <= 2 * cpu_error + 1e-5
 
 
 @pytest.mark.parametrize("name", ["dot", "poincare", "product"])
