@@ -103,9 +103,9 @@ def faiss_knn(data: AttentionData, geometry: Geometry):
 
 
 def reformer_method(rounds: int):
-    from reformer_pytorch.reformer_pytorch import LSHAttention
-
     def run(data: AttentionData, geometry: Geometry):
+        from reformer_pytorch.reformer_pytorch import LSHAttention
+
         torch.manual_seed(0)
         attention = LSHAttention(bucket_size=64, n_hashes=rounds, causal=False)
         out, _, _ = attention(data.q[None], data.v[None])

@@ -160,7 +160,7 @@ class CompositeLSH:
         buckets = self._buckets(queries_w, "query").T.contiguous()  # (L, nq)
         start = torch.searchsorted(self.sorted_buckets, buckets, side="left")
         stop = torch.searchsorted(self.sorted_buckets, buckets, side="right")
-        slots = start.unsqueeze(-1) + torch.arange(self.bucket_limit)  # (L, nq, B)
+        slots = start.unsqueeze(-1) + torch.arange(self.bucket_limit, device=start.device)
         inside = slots < stop.unsqueeze(-1)
         picked = self.order.gather(1, slots.clamp_max(self.ntotal - 1).flatten(1)).view_as(slots)
         picked = picked.masked_fill(~inside, -1)
