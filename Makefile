@@ -47,11 +47,15 @@ lint: $(VENV)/.dev-installed
 test: lint redis
 	$(BIN)/pytest
 
+# Every benchmark (gpu.py only where CUDA is available), then docs/benchmarks.md from the results.
 bench: $(VENV)/.dev-installed
 	for script in benchmarks/[a-z]*.py; do \
-		case $$script in benchmarks/data.py|benchmarks/measure.py) continue;; esac; \
+		case $$script in benchmarks/data.py|benchmarks/measure.py|benchmarks/report.py) continue;; \
+		benchmarks/gpu.py) $(BIN)/python -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+			|| continue;; esac; \
 		$(BIN)/python $$script || exit 1; \
 	done
+	$(BIN)/python benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

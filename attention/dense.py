@@ -1,9 +1,13 @@
 """Exact dense attention for any geometry, tiled over queries and keys with an online softmax.
 
-Memory is O(q_chunk x k_chunk) per batch element in the forward pass and in the backward pass,
-which recomputes each tile's logits instead of storing them (as FlashAttention does), so a
-131072-token self-attention fits in a few hundred MB. Gradients reach queries, keys, values and
-every learnable parameter of the geometry.
+The forward pass is fused (docs/mathematics.md, "Fused dense attention"): a geometry's logits in
+product form (`Geometry.score_terms`) cost one matrix product and a few in-place element-wise
+stages per tile, with the softmax in base 2; on CUDA one Triton kernel does it all
+(attention/cuda_kernel.py). Memory is O(q_chunk x k_chunk) per batch element in the forward pass
+and in the backward pass, which recomputes each tile's logits through `Geometry.score` under
+autograd instead of storing them (as FlashAttention does), so a 131072-token self-attention fits
+in a few hundred MB. Gradients reach queries, keys, values and every learnable parameter of the
+geometry.
 """
 
 from __future__ import annotations

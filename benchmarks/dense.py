@@ -1,15 +1,18 @@
 """Exact dense attention: rewa's geometries against PyTorch's scaled_dot_product_attention.
 
-One process, the same data for every method, one head, d = 64, no gradient. Records
-`{"method", "geometry", "n", "d", "seconds", "peak_rss_bytes"}` in
+One process, the same data for every method, one head, d = 64, no gradient, on the CPU. For each
+N and thread count, every method runs once untimed, then the fastest of `--rounds` interleaved
+rounds counts (the machine's speed drifts; interleaving keeps the ratios fair). Records
+`{"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa"}` in
 `benchmarks/results/dense.json` and plots `benchmarks/results/dense.png`.
 
 Methods: `sdpa` (torch.nn.functional.scaled_dot_product_attention); `rewa` (dense_attention with
-each geometry; for `dot` it dispatches to PyTorch's fused kernel); `rewa-tiled` (the dot product
-forced through rewa's own tiled kernel by an all-zero additive mask).
+each geometry at its defaults, fused: docs/mathematics.md "Fused dense attention"; for `dot` it
+dispatches to PyTorch's fused kernel); `rewa-tiled` (the dot product forced through rewa's own
+tiled kernel by an all-zero additive mask).
 
-    .venv/bin/python benchmarks/dense.py              # N in 4096, 16384, 65536, 131072
-    .venv/bin/python benchmarks/dense.py --sizes 4096 --out /tmp/dense
+    .venv/bin/python benchmarks/dense.py              # N in 8192, 32768; 1 and all threads
+    .venv/bin/python benchmarks/dense.py --sizes 4096 --threads 1 --out /tmp/dense
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from functools import partial
+import time
 from pathlib import Path
 
 import torch
@@ -25,11 +28,10 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.measure import measure
 from rewa.attention import Geometry, dense_attention, make_geometry
 
-GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "product"]
-DEFAULT_SIZES = [4096, 16384, 65536, 131072]
+GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
+DEFAULT_SIZES = [8192, 32768]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,29 +51,35 @@ def attend(q, k, v, geometry: Geometry | None, mask: torch.Tensor | None) -> tor
     return dense_attention(q, k, v, geometry, mask=mask)[0]
 
 
-def run(sizes: list[int], d: int = 64) -> list[dict]:
+def run(sizes: list[int], thread_counts: list[int], rounds: int, d: int = 64) -> list[dict]:
     records = []
     configurations = methods(d)
-    warm = torch.randn(1, 1, 1024, d)
-    with torch.no_grad():
-        for _, _, geometry, mask in configurations:  # one-time initialisation, not timed
-            attend(warm, warm, warm, geometry, mask)
-    for n in sizes:
-        generator = torch.Generator().manual_seed(n)
-        q, k, v = (torch.randn(1, 1, n, d, generator=generator) for _ in range(3))
-        for method, name, geometry, mask in configurations:
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        for n in sizes:
+            generator = torch.Generator().manual_seed(n)
+            q, k, v = (torch.randn(1, 1, n, d, generator=generator) for _ in range(3))
+            best = [float("inf")] * len(configurations)
             with torch.no_grad():
-                _, seconds, peak = measure(partial(attend, q, k, v, geometry, mask))
-            record = {
-                "method": method,
-                "geometry": name,
-                "n": n,
-                "d": d,
-                "seconds": round(seconds, 4),
-                "peak_rss_bytes": peak,
-            }
-            records.append(record)
-            print(json.dumps(record), flush=True)
+                for _, _, geometry, mask in configurations:  # untimed first call
+                    attend(q, k, v, geometry, mask)
+                for _ in range(rounds):
+                    for i, (_, _, geometry, mask) in enumerate(configurations):
+                        start = time.perf_counter()
+                        attend(q, k, v, geometry, mask)
+                        best[i] = min(best[i], time.perf_counter() - start)
+            for (method, name, _, _), seconds in zip(configurations, best, strict=True):
+                record = {
+                    "method": method,
+                    "geometry": name,
+                    "n": n,
+                    "d": d,
+                    "threads": threads,
+                    "seconds": round(seconds, 4),
+                    "vs_sdpa": round(seconds / best[0], 3),
+                }
+                records.append(record)
+                print(json.dumps(record), flush=True)
     return records
 
 
@@ -81,32 +89,37 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (times, ratios) = plt.subplots(1, 2, figsize=(12, 5))
-    series = sorted({(r["method"], r["geometry"]) for r in records})
-    sdpa = {r["n"]: r["seconds"] for r in records if r["method"] == "sdpa"}
-    for method, geometry in series:
-        rows = sorted(
-            (r for r in records if (r["method"], r["geometry"]) == (method, geometry)),
-            key=lambda r: r["n"],
-        )
-        label = f"{method} {geometry}" if method != "sdpa" else "SDPA"
-        ns = [r["n"] for r in rows]
-        times.loglog(ns, [r["seconds"] for r in rows], marker="o", label=label)
-        if method != "sdpa":
-            ratios.semilogx(
-                ns, [r["seconds"] / sdpa[r["n"]] for r in rows], marker="o", label=label
-            )
-    times.set(
-        xlabel="tokens N (self-attention, d = 64, one head)",
-        ylabel="seconds",
-        title="Exact dense attention, CPU",
-    )
-    ratios.axhline(1.5, color="grey", linestyle="--", linewidth=1, label="dot target 1.5x")
-    ratios.axhline(3.0, color="black", linestyle="--", linewidth=1, label="distance target 3x")
-    ratios.set(xlabel="tokens N", ylabel="time / SDPA time", title="Relative to SDPA")
-    for ax in (times, ratios):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    thread_counts = sorted({r["threads"] for r in records})
+    sizes = sorted({r["n"] for r in records})
+    series = [(m, g) for m, g, _, _ in methods(64) if m != "sdpa"]
+    fig, axes = plt.subplots(1, len(thread_counts), figsize=(6.5 * len(thread_counts), 5))
+    axes = [axes] if len(thread_counts) == 1 else list(axes)
+    width = 0.8 / len(series)
+    colours = plt.get_cmap("tab10")
+    for ax, threads in zip(axes, thread_counts, strict=True):
+        for i, (method, geometry) in enumerate(series):
+            ratios = [
+                next(
+                    (
+                        r["vs_sdpa"]
+                        for r in records
+                        if (r["method"], r["geometry"], r["n"], r["threads"])
+                        == (method, geometry, n, threads)
+                    ),
+                    0.0,
+                )
+                for n in sizes
+            ]
+            label = geometry if method == "rewa" else f"{geometry} ({method})"
+            positions = [j + i * width for j in range(len(sizes))]
+            ax.bar(positions, ratios, width, label=label, color=colours(i))
+        ax.axhline(1.0, color="black", linewidth=1, label="SDPA")
+        ax.axhline(1.5, color="grey", linestyle=":", linewidth=1, label="goal 1.5x")
+        ax.axhline(3.0, color="grey", linestyle="--", linewidth=1, label="target 3x")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(n) for n in sizes])
+        ax.set(xlabel="tokens N (self-attention, d = 64, one head)", ylabel="time / SDPA time")
+        ax.set_title(f"Exact dense attention, CPU, {threads} thread(s)", fontsize=10)
+        ax.legend(fontsize=7, ncol=2, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -114,19 +127,22 @@ def plot(records: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
+    parser.add_argument(
+        "--threads", type=int, nargs="+", help="thread counts (default: 1 and all of them)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    thread_counts = args.threads or sorted({1, torch.get_num_threads()})
     args.out.mkdir(parents=True, exist_ok=True)
-    records = run(args.sizes)
+    records = run(args.sizes, thread_counts, args.rounds)
     (args.out / "dense.json").write_text(json.dumps(records, indent=1) + "\n")
     plot(records, args.out / "dense.png")
-    largest = max(args.sizes)
-    sdpa = next(r["seconds"] for r in records if r["method"] == "sdpa" and r["n"] == largest)
     for r in records:
-        if r["n"] == largest and r["method"] != "sdpa":
+        if r["method"] != "sdpa":
             print(
-                f"N={largest} {r['method']:10s} {r['geometry']:10s} {r['seconds']:8.2f} s "
-                f"= {r['seconds'] / sdpa:.2f}x SDPA, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB"
+                f"N={r['n']} threads={r['threads']} {r['method']:10s} {r['geometry']:10s} "
+                f"{r['seconds']:8.3f} s = {r['vs_sdpa']:.2f}x SDPA"
             )
     print(f"wrote {args.out / 'dense.json'} and {args.out / 'dense.png'}")
     print("reproduce: .venv/bin/python benchmarks/dense.py " + " ".join(sys.argv[1:]))

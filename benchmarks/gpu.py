@@ -12,7 +12,8 @@
   statistics built beforehand (untimed), against SDPA over the same keys; median of 50
   interleaved steps, and the output error against exact attention.
 
-Writes `benchmarks/results/gpu.json` (every record names the device) and `gpu.png`.
+Writes `benchmarks/results/gpu-<device>.json` (every record names the device too) and
+`gpu-<device>.png`, e.g. `gpu-nvidia-h100-80gb-hbm3.json`.
 
     python benchmarks/gpu.py                      # needs CUDA
     python benchmarks/gpu.py --sections dense --sizes 8192 --out /tmp/gpu
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -255,9 +257,10 @@ def main() -> None:
             traceback.print_exc()
             continue
         records += [{"device": device, **row} for row in rows]
-    (args.out / "gpu.json").write_text(json.dumps(records, indent=1) + "\n")
-    plot(records, args.out / "gpu.png")
-    print(f"wrote {args.out / 'gpu.json'} and {args.out / 'gpu.png'}")
+    stem = "gpu-" + re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    (args.out / f"{stem}.json").write_text(json.dumps(records, indent=1) + "\n")
+    plot(records, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.json and .png")
     print("reproduce: python benchmarks/gpu.py " + " ".join(sys.argv[1:]))
 
 

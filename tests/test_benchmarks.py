@@ -21,8 +21,10 @@ def run_benchmark(name: str, out: Path, *arguments: str) -> list[dict]:
 
 
 def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
-    records = run_benchmark("dense", tmp_path, "--sizes", "256", "512")
-    keys = {"method", "geometry", "n", "d", "seconds", "peak_rss_bytes"}
+    records = run_benchmark(
+        "dense", tmp_path, "--sizes", "256", "512", "--threads", "1", "2", "--rounds", "1"
+    )
+    keys = {"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa"}
     assert all(set(r) == keys for r in records)
     methods = {(r["method"], r["geometry"]) for r in records}
     assert ("sdpa", "dot") in methods and ("rewa-tiled", "dot") in methods
@@ -31,9 +33,11 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
         "euclidean",
         "sphere",
         "poincare",
+        "kappa",
         "product",
     }
-    assert {r["n"] for r in records} == {256, 512}
+    assert {(r["n"], r["threads"]) for r in records} == {(256, 1), (512, 1), (256, 2), (512, 2)}
+    assert all(r["vs_sdpa"] == 1.0 for r in records if r["method"] == "sdpa")
     assert (tmp_path / "dense.png").stat().st_size > 10_000
 
 
@@ -151,3 +155,9 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     }
     assert all(r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0 for r in loads)
     assert (tmp_path / "service.png").stat().st_size > 10_000
+
+
+def test_the_benchmark_page_is_generated_from_the_committed_results():
+    from benchmarks import report
+
+    assert report.PAGE.read_text() == report.render()
