@@ -295,8 +295,17 @@ def squared_chord_from_similarity(
     return (squared / (1 + k * squared) - similarity / 2).clamp_min(0)
 
 
+MAX_CURVATURE = 1e6
+"""The largest |kappa| accepted (a ball or sphere of radius 1e-3); beyond it float32 witnesses
+and lifts overflow."""
+
+
 def _curvature_tensor(kappa: float | Sequence[float] | torch.Tensor, heads: int) -> torch.Tensor:
     value = torch.as_tensor(kappa, dtype=torch.float32).flatten()
+    if not bool(torch.isfinite(value).all()) or bool((value.abs() > MAX_CURVATURE).any()):
+        raise ValueError(
+            f"kappa: expected finite curvatures with |kappa| <= {MAX_CURVATURE:g}, got {kappa!r}"
+        )
     if value.numel() == 1:
         return value.expand(heads).clone()
     if value.numel() != heads:

@@ -27,6 +27,7 @@ import torch
 from rewa.attention import Geometry, Lift
 
 from .candidates import best_candidates
+from .option_checks import check_int, check_optional_bool
 
 try:
     import faiss
@@ -52,6 +53,9 @@ def faiss_device(prefer: str | None = None) -> str:
     return "cpu"
 
 
+MAX_LISTS = 1 << 20
+
+
 @dataclass
 class IndexSettings:
     """How to index one lift.
@@ -75,6 +79,20 @@ class IndexSettings:
     hnsw_m: int = 32
     ef_search: int = 128
     bands: int = 8
+
+    def __post_init__(self) -> None:
+        """Every value checked (ValueError naming the field): FAISS must never see a value it
+        answers with an assertion. An `nlist` above the number of keys is capped at build."""
+        if self.kind not in ("flat", "ivf", "hnsw"):
+            raise ValueError(f"kind: expected 'flat', 'ivf' or 'hnsw', got {self.kind!r}")
+        if self.nlist is not None:
+            check_int("nlist", self.nlist, 1, MAX_LISTS)
+        check_int("nprobe", self.nprobe, 1, MAX_LISTS)
+        check_int("train_points_per_list", self.train_points_per_list, 1, 65536)
+        check_optional_bool("ip_as_l2", self.ip_as_l2)
+        check_int("hnsw_m", self.hnsw_m, 2, 256)
+        check_int("ef_search", self.ef_search, 1, 65536)
+        check_int("bands", self.bands, 1, 1024)
 
 
 class LiftIndex:
@@ -139,7 +157,7 @@ class LiftIndex:
             index.hnsw.efSearch = s.ef_search
             return index
         if s.kind == "ivf":
-            nlist = s.nlist or max(1, n // 256)
+            nlist = min(s.nlist or max(1, n // 256), max(n, 1))
             quantizer = faiss.IndexFlat(dim, self._faiss_metric())
             index = faiss.IndexIVFFlat(quantizer, dim, nlist, self._faiss_metric())
             index.nprobe = min(s.nprobe, nlist)

@@ -29,6 +29,7 @@ from rewa.attention import (
 )
 
 from .candidates import best_candidates
+from .option_checks import check_int, check_positive
 
 
 class GridHash:
@@ -119,8 +120,14 @@ class CompositeLSH:
         bucket_limit: int = 48,
         seed: int = 0,
     ) -> None:
-        if tables < 1 or bits < 1 or bucket_limit < 1:
-            raise ValueError("expected tables, bits and bucket_limit >= 1")
+        check_int("tables", tables, 1, 256)
+        check_int("bits", bits, 1, 32)
+        check_int("grid_hashes", grid_hashes, 1, 32)
+        if grid_width is not None:
+            check_positive("grid_width", grid_width)
+        check_positive("band", band)
+        check_int("bucket_limit", bucket_limit, 1, 65536)
+        check_int("seed", seed, 0, 2**63 - 1)
         self.geometry, self.tables, self.bucket_limit = geometry, tables, bucket_limit
         generator = torch.Generator().manual_seed(seed)
         self.parts = _families(geometry, tables, bits, grid_hashes, grid_width, band, generator)

@@ -37,12 +37,14 @@ def build_index(
     `CompositeLSH` arguments)."""
     with torch.no_grad():
         kw = geometry.witness(k)
-    index = _empty_index(geometry, method, options)
+    index = empty_index(geometry, method, options)
     index.add(kw)
     return index
 
 
-def _empty_index(geometry: Geometry, method: str, options: dict) -> KeyIndex:
+def empty_index(geometry: Geometry, method: str, options: dict) -> KeyIndex:
+    """The index `build_index` fills, before any key: what checks a method's option values
+    (ValueError or TypeError naming the option)."""
     if method == "lsh":
         return CompositeLSH(geometry, **options)
     if method in ("ivf", "flat", "hnsw"):
@@ -71,7 +73,7 @@ def index_from_bytes(
 ) -> KeyIndex:
     """Restore `index_to_bytes` output for the same keys, geometry, method and options as the
     `build_index` call that built it (nothing is trained or added again)."""
-    index = _empty_index(geometry, method, options)
+    index = empty_index(geometry, method, options)
     with np.load(io.BytesIO(data), allow_pickle=False) as archive:
         state = {name: archive[name] for name in archive.files}
     marker = state.pop("format", np.array([]))

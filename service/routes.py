@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from rewa.attention import GEOMETRIES, Geometry
 from rewa.index import CompositeLSH, IndexSettings
+from rewa.index.retrieval import empty_index
 
 from . import wire
 from .auth import namespace_of
@@ -186,7 +187,8 @@ def _check_index_kind(geometry: Geometry, kind: str) -> None:
         )
 
 
-def _check_index_options(kind: str, options: dict) -> None:
+def _check_index_options(geometry: Geometry, kind: str, options: dict) -> None:
+    """Option names, then values, with the code that will build the index (`empty_index`)."""
     accepted = (
         set(inspect.signature(CompositeLSH.__init__).parameters) - {"self", "geometry"}
         if kind == "lsh"
@@ -195,6 +197,10 @@ def _check_index_options(kind: str, options: dict) -> None:
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise invalid("index.options", f"a subset of {sorted(accepted)} for {kind!r}", unknown)
+    try:
+        empty_index(geometry, kind, options)
+    except (TypeError, ValueError) as error:
+        raise ApiError(400, f"index.options: {error}", "index.options") from None
 
 
 # -- contexts ---------------------------------------------------------------------------------
@@ -206,7 +212,7 @@ async def create_context(body: ContextCreate, request: Request, namespace: str =
     geometry = check_geometry(body.geometry.model_dump(), body.head_dim)
     check_value_dim(geometry, body.value_dim or body.head_dim, "value_dim")
     _check_index_kind(geometry, body.index.kind)
-    _check_index_options(body.index.kind, body.index.options)
+    _check_index_options(geometry, body.index.kind, body.index.options)
     info = {
         "id": new_id(),
         "name": body.name,

@@ -311,3 +311,36 @@ def test_inner_product_search_returns_inner_products(kind):
     expected = (queries.unsqueeze(1) * keys[ids]).sum(-1)
     torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-3)
     assert (scores[:, :-1] >= scores[:, 1:] - 1e-4).all()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("nlist", 0), ("nprobe", -1), ("hnsw_m", 0), ("ef_search", 0), ("bands", 0), ("nlist", "8"),
+     ("nprobe", 8.0), ("hnsw_m", True), ("ip_as_l2", 1), ("train_points_per_list", 0)],
+)  # fmt: skip
+def test_index_settings_name_the_bad_value(option, value):
+    with pytest.raises(ValueError, match=option):
+        IndexSettings(**{option: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("tables", 0), ("bits", 33), ("grid_hashes", 0), ("grid_width", -1.0),
+     ("grid_width", float("nan")), ("band", 0), ("bucket_limit", 0), ("seed", -1)],
+)  # fmt: skip
+def test_composite_lsh_names_the_bad_value(option, value):
+    with pytest.raises(ValueError, match=option):
+        CompositeLSH(make_geometry("euclidean", 4), **{option: value})
+
+
+def test_more_ivf_lists_than_keys_are_capped_at_the_keys():
+    g = make_geometry("dot", 8)
+    keys = torch.randn(50, 8)
+    index = build_index(keys, g, "ivf", nlist=1000)
+    assert faiss_module.faiss.extract_index_ivf(index.parts[0].index).nlist == 50
+
+
+@pytest.mark.parametrize("kappa", [float("inf"), float("nan"), 1e7, [0.1, -1e9]])
+def test_curvatures_beyond_the_float32_range_are_refused(kappa):
+    with pytest.raises(ValueError, match="kappa"):
+        make_geometry("kappa", 4, heads=2, kappa=kappa)

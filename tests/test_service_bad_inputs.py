@@ -166,3 +166,85 @@ def test_bad_input_is_a_clean_4xx_and_changes_nothing(
     assert client.get("/v1/contexts").json()["contexts"] == contexts_before
     upload_state = client.get(f"/v1/contexts/{context_id}/uploads/{upload_id}").json()
     assert upload_state["n_tokens"] == 0  # the open upload received nothing
+
+
+# (kind, option, value): every value is refused when the context is created, by the code that
+# builds the index, so none reaches FAISS (an HNSW degree of 0 ended the process in a FAISS
+# assertion at the first topk attend) or fails later as a 500.
+BAD_INDEX_OPTIONS = [
+    ("hnsw", "hnsw_m", 0),
+    ("hnsw", "hnsw_m", 1),
+    ("hnsw", "hnsw_m", 100000),
+    ("hnsw", "ef_search", 0),
+    ("hnsw", "hnsw_m", "abc"),
+    ("ivf", "nlist", -5),
+    ("ivf", "nlist", 0),
+    ("ivf", "nlist", "abc"),
+    ("ivf", "nlist", 2.5),
+    ("ivf", "nprobe", 0),
+    ("ivf", "nprobe", True),
+    ("ivf", "train_points_per_list", 0),
+    ("ivf", "ip_as_l2", "yes"),
+    ("ivf", "bands", 0),
+    ("flat", "bands", -1),
+    ("lsh", "tables", 0),
+    ("lsh", "tables", 10**9),
+    ("lsh", "bits", "x"),
+    ("lsh", "bits", 0),
+    ("lsh", "bits", 64),
+    ("lsh", "bucket_limit", -1),
+    ("lsh", "grid_hashes", 0),
+    ("lsh", "grid_width", 0),
+    ("lsh", "grid_width", "inf"),
+    ("lsh", "band", -1.0),
+    ("lsh", "seed", -3),
+]
+
+
+@pytest.mark.parametrize(("kind", "option", "value"), BAD_INDEX_OPTIONS)
+def test_bad_index_option_values_are_refused_at_creation(served, kind, option, value):
+    _, client, _, _ = served
+    before = client.get("/v1/contexts").json()["contexts"]
+    body = {
+        "geometry": {"name": "euclidean"},
+        "heads": 1,
+        "head_dim": 4,
+        "index": {"kind": kind, "options": {option: value}},
+    }
+    response = client.post("/v1/contexts", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "index.options"
+    assert option in error["message"]
+    assert client.get("/v1/contexts").json()["contexts"] == before
+
+
+@pytest.mark.parametrize("kappa", ["1e308", "-1e308", "1e7", "[0.5, 1e999]"])
+def test_curvatures_that_overflow_are_refused_at_creation(served, kappa):
+    """1e999 parses as an infinite float; each of these made the index build fail later."""
+    _, client, _, _ = served
+    before = client.get("/v1/contexts").json()["contexts"]
+    body = f'{{"geometry": {{"name": "kappa", "kappa": {kappa}}}, "heads": 2, "head_dim": 4}}'
+    response = client.post(
+        "/v1/contexts", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "geometry" and "kappa" in error["message"]
+    assert client.get("/v1/contexts").json()["contexts"] == before
+
+
+@pytest.mark.parametrize(
+    ("kind", "options"),
+    [("hnsw", {"hnsw_m": 2, "ef_search": 1}), ("ivf", {"nlist": 100000, "nprobe": 65536})],
+)
+def test_extreme_legal_index_options_attend(served, kind, options):
+    """The smallest HNSW graph, and more IVF lists than keys (capped at the number of keys)."""
+    _, client, _, _ = served
+    context = create_context(client, head_dim=D, index={"kind": kind, "options": options})
+    generator = torch.Generator().manual_seed(6)
+    keys, values = (torch.randn(H, 200, D, generator=generator) for _ in range(2))
+    upload(client, context["id"], keys, values)
+    out, lse, _ = attend(client, context["id"], torch.randn(H, 5, D), mode="topk")
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert client.get("/livez").status_code == 200
