@@ -4,6 +4,7 @@ the OpenAPI document."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 
@@ -286,5 +287,32 @@ def test_api_keys_namespace_contexts():
                 assert response.json()["error"]["param"] == "Authorization"
             assert anonymous.get("/livez").status_code == 200  # probes stay open
             assert anonymous.get("/readyz").status_code == 200
+    finally:
+        server.kill()
+
+
+def test_the_authorization_header_is_parsed_strictly():
+    """Exactly `Bearer <key>` (the scheme case-insensitive, RFC 7235): a second space (leading
+    and trailing whitespace never reach the server: HTTP strips it), another scheme, a key prefix or a key with characters outside RFC 6750's b64token
+    are 401."""
+    server = Server(api_keys="alpha,beta").start()
+    try:
+        accepted = ["Bearer alpha", "bearer alpha", "BEARER beta"]
+        refused = [
+            "bearer  alpha",
+            "Bearer  alpha",
+            "Bearer\talpha",
+            "Basic alpha",
+            "Bearer alph",
+            "Bearer alphaa",
+            "Bearer alpha,beta",
+            "alpha",
+            "Bearer",
+        ]
+        for header in accepted + refused:
+            response = httpx.get(
+                server.url + "/v1/contexts", headers={"Authorization": header}, timeout=30
+            )
+            assert response.status_code == (200 if header in accepted else 401), header
     finally:
         server.kill()
