@@ -135,6 +135,10 @@ def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
 
 
 def _params(body, record: dict, settings, mode: str, return_topk: int | None) -> AttendParams:
+    """The request's settings over the context's. A window of `2 n + 1` positions already covers
+    all `n` keys from any query position in `[0, n]` (centred or causal), and `n` sinks are every
+    key, so larger values are cut to those: the same attention, with memory bounded by the
+    context instead of the request."""
     index = record["index"]
     n_tokens = record["n_tokens"]
     if body.k is not None:
@@ -145,8 +149,8 @@ def _params(body, record: dict, settings, mode: str, return_topk: int | None) ->
         mode=mode,
         k=body.k if body.k is not None else min(index["k"], n_tokens),
         budget=body.budget if body.budget is not None else index["budget"],
-        window=body.window if body.window is not None else index["window"],
-        sinks=body.sinks if body.sinks is not None else index["sinks"],
+        window=min(body.window if body.window is not None else index["window"], 2 * n_tokens + 1),
+        sinks=min(body.sinks if body.sinks is not None else index["sinks"], n_tokens),
         return_topk=return_topk,
     )
 

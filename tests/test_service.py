@@ -292,9 +292,9 @@ def test_api_keys_namespace_contexts():
 
 
 def test_the_authorization_header_is_parsed_strictly():
-    """Exactly `Bearer <key>` (the scheme case-insensitive, RFC 7235): a second space (leading
-    and trailing whitespace never reach the server: HTTP strips it), another scheme, a key prefix or a key with characters outside RFC 6750's b64token
-    are 401."""
+    """Exactly `Bearer <key>` (the scheme case-insensitive, RFC 7235): a second space, another
+    scheme, a key prefix or a key with characters outside RFC 6750's b64token are 401 (leading
+    and trailing whitespace never reach the server: HTTP strips it)."""
     server = Server(api_keys="alpha,beta").start()
     try:
         accepted = ["Bearer alpha", "bearer alpha", "BEARER beta"]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from tests.service_support import Server, attend, create_context, encode, upload
+from tests.service_support import Server, attend, create_context, decode, encode, upload
 
 H, N, D = 2, 300, 8
 MAX_BODY = 1 << 20
@@ -248,3 +248,25 @@ def test_extreme_legal_index_options_attend(served, kind, options):
     out, lse, _ = attend(client, context["id"], torch.randn(H, 5, D), mode="topk")
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert client.get("/livez").status_code == 200
+
+
+@pytest.mark.parametrize("route", [ATTEND, SELF])
+@pytest.mark.parametrize("mode", ["tail", "topk"])
+def test_windows_and_sinks_beyond_the_context_read_every_key(served, route, mode):
+    """A window of 10^18 was an 8e18-byte allocation (500); now it reads every key, as a
+    window of 2 N + 1 does (in tail mode: exact attention)."""
+    _, client, context_id, _ = served
+    queries = {"queries": encode(torch.randn(H, 4, D, generator=torch.Generator().manual_seed(7)))}
+    if route == SELF:
+        queries = {"start": 10, "end": 14}
+    url = f"/v1/contexts/{context_id}/{route}"
+    results = []
+    reference = {"mode": "exact"} if mode == "tail" else {"mode": mode, "window": 2 * N + 1}
+    for options in (reference, {"mode": mode, "window": 10**18}, {"mode": mode, "sinks": 10**18}):
+        response = client.post(url, json={**queries, **options})
+        assert response.status_code == 200, response.text
+        results.append([decode(response.json()[name]) for name in ("out", "lse")])
+    expected = results[0]
+    for out, lse in results[1:]:
+        torch.testing.assert_close(out, expected[0], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse, expected[1], rtol=1e-4, atol=1e-5)
