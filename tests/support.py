@@ -20,3 +20,23 @@ def build_geometry(name: str, dim: int, heads: int = 1, **options) -> torch.nn.M
         options["kappa"] = [-0.7, 0.4, -1e-9][:heads] if heads > 1 else -0.7
     torch.manual_seed(1234)
     return make_geometry(name, dim, heads, **options).double()
+
+
+# (name, options) of every geometry whose dense logits have a product form (`score_terms`).
+FUSED = [
+    ("dot", {}),
+    ("euclidean", {}),
+    ("euclidean", {"power": 2}),
+    ("sphere", {}),
+    ("sphere", {"power": 2}),
+    ("poincare", {}),
+    ("poincare", {"power": 2}),
+    ("kappa", {"kappa": [-0.7, -0.2, -1.5]}),
+    ("kappa", {"kappa": [0.4, 0.9, 0.1]}),
+    ("kappa", {"kappa": 0.0}),
+    ("product", {}),
+    ("product", {"power": 2}),
+    ("graded", {}),
+    ("random_features", {}),
+    ("operator", {}),
+]

@@ -11,28 +11,12 @@ import torch
 
 from rewa.attention import cuda_kernel, dense_attention
 from rewa.index import KeyClusters, retrieval_attention, tail_attention
-from tests.support import build_geometry
+from tests.support import FUSED, build_geometry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
-GEOMETRIES = [
-    ("dot", {}),
-    ("euclidean", {}),
-    ("euclidean", {"power": 2}),
-    ("sphere", {}),
-    ("poincare", {}),
-    ("poincare", {"power": 2}),
-    ("kappa", {"kappa": [-0.7, -0.2, -1.5]}),
-    ("kappa", {"kappa": [0.4, 0.9, 0.1]}),
-    ("kappa", {"kappa": 0.0}),
-    ("product", {}),
-    ("graded", {}),
-    ("random_features", {}),
-    ("operator", {}),
-    ("cone", {}),
-    ("adaptive_product", {}),
-]
+GEOMETRIES = [*FUSED, ("cone", {}), ("adaptive_product", {})]
 IDS = [f"{name}-{options}" for name, options in GEOMETRIES]
 F32 = {"rtol": 2e-5, "atol": 2e-5}
 

@@ -7,27 +7,10 @@ import torch
 
 from rewa.attention import cuda_kernel, dense_attention
 from rewa.attention.numerics import apply_stages_
-from tests.support import TOLERANCES, build_geometry
+from tests.support import FUSED, TOLERANCES, build_geometry
 
 F64 = TOLERANCES[torch.float64]
 
-FUSED = [
-    ("dot", {}),
-    ("euclidean", {}),
-    ("euclidean", {"power": 2}),
-    ("sphere", {}),
-    ("sphere", {"power": 2}),
-    ("poincare", {}),
-    ("poincare", {"power": 2}),
-    ("kappa", {"kappa": [-0.7, -0.2, -1.5]}),
-    ("kappa", {"kappa": [0.4, 0.9, 0.1]}),
-    ("kappa", {"kappa": 0.0}),
-    ("product", {}),
-    ("product", {"power": 2}),
-    ("graded", {}),
-    ("random_features", {}),
-    ("operator", {}),
-]
 IDS = [f"{name}-{options}" for name, options in FUSED]
 
 
