@@ -108,7 +108,7 @@ def pack_terms(terms: list[ScoreTerm], batch: torch.Size) -> PackedTerms:
             (queries, query_extra, term.queries),
             (keys, key_extra, term.keys),
         ):
-            x = x.expand(*batch, *x.shape[-2:]).reshape(-1, *x.shape[-2:])
+            x = _flat(x, batch, 0)
             operands.append(F.pad(x[..., :main], (0, main - min(main, width))))
             extra_columns.append(F.pad(x[..., main : main + extra], (0, MAX_EXTRA - extra)))
         weight = torch.as_tensor(term.weight, dtype=torch.float32, device=term.queries.device)

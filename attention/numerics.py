@@ -58,7 +58,12 @@ def exp2_of_shifted_(shifted: torch.Tensor, may_be_masked: bool) -> torch.Tensor
     return _floored_exp_(shifted, may_be_masked, math.log2(math.e), torch.Tensor.exp2_)
 
 
-def _floored_exp_(shifted, may_be_masked, unit, exp_):
+def _floored_exp_(
+    shifted: torch.Tensor,
+    may_be_masked: bool,
+    unit: float,
+    exp_: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     blocked = torch.isneginf(shifted) if may_be_masked else None
     exp_(shifted.clamp_min_(_EXP_FLOOR[compute_dtype(shifted.dtype)] * unit))
     return shifted if blocked is None else shifted.masked_fill_(blocked, 0.0)
