@@ -23,7 +23,7 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
   `benchmarks/tail.py` (dot product, 1 % of keys read) the estimate's error is set by the
   value shift's rank (median 0.058 -> 0.043 on head 9 going from rank 16 to full) and hardly by
   the variance's (rank 4 and full within 0.003; the log-partition's error halves from rank 4
-  to full, README);
+  to full, docs/benchmark-notes.md);
 - the keys' witnesses and values sorted by cluster (`offsets` delimit each cluster), which
   the exact part of tail attention reads;
 - `exact_read` `(nc,)`: clusters that every query reads exactly, right after its most massive

@@ -1,5 +1,5 @@
-"""Service settings, read from the environment (prefix `REWA_`); the README's settings table
-lists them all."""
+"""Service settings, read from the environment (prefix `REWA_`); the settings table of
+docs/service.md lists them all."""
 
 from __future__ import annotations
 

@@ -314,9 +314,9 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
     assert "--values" in capsys.readouterr().err
 
 
-def test_the_readme_client_example_runs(server):
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    example = re.search(r"## Client and command line\n.*?```python\n(.*?)```", text, re.S)
+def test_the_documented_client_example_runs(server):
+    text = (Path(__file__).resolve().parent.parent / "docs" / "client.md").read_text()
+    example = re.search(r"# Client and command line\n.*?```python\n(.*?)```", text, re.S)
     namespace: dict = {}
     exec(example.group(1), namespace)
     out, lse = namespace["remote_attention"](server.url)

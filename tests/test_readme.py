@@ -1,4 +1,4 @@
-"""The README's library example runs as written and prints what its comments say."""
+"""The examples of the README and docs/ run as written and print what their comments say."""
 
 import json
 import re
@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+LIBRARY = ROOT / "docs" / "library.md"
+DEPLOY = ROOT / "docs" / "deploy.md"
 
 
 def test_library_example_runs_and_prints_what_it_claims():
@@ -24,7 +27,7 @@ def test_library_example_runs_and_prints_what_it_claims():
 def run_section(heading: str) -> list[str]:
     """Run the first Python block after `heading` with the shapes of `out` and `lse` printed
     after it; its output lines."""
-    text = README.read_text()
+    text = LIBRARY.read_text()
     example = re.search(re.escape(heading) + r"\n.*?```python\n(.*?)```", text, re.S)
     code = example.group(1) + "\nprint(tuple(out.shape), tuple(lse.shape))\n"
     result = subprocess.run(
@@ -34,8 +37,8 @@ def run_section(heading: str) -> list[str]:
 
 
 def test_riemann_example_runs_and_prints_what_it_claims():
-    text = README.read_text()
-    heading = "### RiemannFormer, mixtures, layers and training aids"
+    text = LIBRARY.read_text()
+    heading = "## RiemannFormer, mixtures, layers and training aids"
     example = re.search(re.escape(heading) + r"\n\n```python\n(.*?)```", text, re.S).group(1)
     result = subprocess.run(
         [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True
@@ -48,11 +51,11 @@ def test_riemann_example_runs_and_prints_what_it_claims():
 
 
 def test_sparse_example_runs():
-    assert run_section("### Sparse and retrieval attention")[-1] == "(100, 64) (100,)"
+    assert run_section("## Sparse and retrieval attention")[-1] == "(100, 64) (100,)"
 
 
 def test_tail_example_runs():
-    assert run_section("### Cluster-tail attention") == ["True", "(100, 64) (100,)"]
+    assert run_section("## Cluster-tail attention") == ["True", "(100, 64) (100,)"]
 
 
 def test_service_curl_example_runs_against_a_live_server():
@@ -81,7 +84,7 @@ def test_service_curl_example_runs_against_a_live_server():
 
 
 def test_deploy_sharding_example_builds_its_sharded_memory():
-    text = README.read_text()
+    text = DEPLOY.read_text()
     example = re.search(r"\*Contexts larger than one device\.\*.*?```python\n(.*?)```", text, re.S)
     code = example.group(1) + "\nprint(len(memory.shards), memory.shards[1].context_id)\n"
     result = subprocess.run(
