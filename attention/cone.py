@@ -1,7 +1,7 @@
-"""Hyperbolic cone attention (SPEC 2, seed 002): shadow cones in the Poincare half-space,
-infinite setting. A point is `u = (u_x, u_y)`, horizontal `u_x in R^{d-1}`, height `u_y > 0`;
-the logit of a pair is `-gamma * h`, `h` the height of the root of the lowest cone holding both
-(their least common ancestor). With `D = ||u_x - v_x||`:
+"""Hyperbolic cone attention (docs/mathematics.md 2, seed 002): shadow cones in the Poincare
+half-space, infinite setting. A point is `u = (u_x, u_y)`, horizontal `u_x in R^{d-1}`, height `u_y
+> 0`; the logit of a pair is `-gamma * h`, `h` the height of the root of the lowest cone holding
+both (their least common ancestor). With `D = ||u_x - v_x||`:
 
 - umbral (radius `r` around each point): `h = max(u_y, v_y, D / (2 sinh r) + (u_y + v_y) / 2)`;
 - penumbral (horosphere light source at height `r`), `a = sqrt(r^2 - u_y^2)`,

@@ -1,4 +1,5 @@
-"""Dot-product attention, the standard transformer (SPEC 1.6): `logit = <q, k> / sqrt(d)`."""
+"""Dot-product attention, the standard transformer (docs/mathematics.md 1.6): `logit = <q, k> /
+sqrt(d)`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Euclidean space `R^m` (SPEC 1.1): `d(x, y) = ||x - y||`, lift the identity with L2."""
+"""Euclidean space `R^m` (docs/mathematics.md 1.1): `d(x, y) = ||x - y||`, lift the identity with
+L2."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 A geometry maps ambient vectors to witnesses, scores query witnesses against key witnesses (dense
 or on gathered candidates), and knows an exact *lift* that turns "best score under this geometry"
-into an ordinary L2 or inner-product search (SPEC 1).
+into an ordinary L2 or inner-product search (docs/mathematics.md 1).
 
 Shapes: inputs are `(..., N, d)` with heads as batch dimensions. A geometry built with `heads=H`
 holds per-head parameters of shape `(H,)` and expects the head axis third from the end of dense
@@ -166,7 +166,8 @@ class Geometry(nn.Module):
         witnesses `(..., nq, d_w)` and one similarity tensor `(..., nq, M)` per lift (any M
         values per query, e.g. one per key), the terms `(..., nq, M)`, one per lift, whose sum
         is the logit. Every logit depends on a key only through these similarities, which is
-        what lets per-cluster statistics in lift space estimate unread keys (SPEC 6, tail)."""
+        what lets per-cluster statistics in lift space estimate unread keys (docs/mathematics.md 6,
+        tail)."""
         raise NotImplementedError
 
     def band_coordinate(self, w: torch.Tensor) -> torch.Tensor | None:
@@ -196,7 +197,8 @@ class Geometry(nn.Module):
 
 
 class ScaledExpTemperature(nn.Module):
-    """`tau = exp(lambda) * sqrt(d)` per head, `lambda` initialised to 0 (seed 004, SPEC 1.3)."""
+    """`tau = exp(lambda) * sqrt(d)` per head, `lambda` initialised to 0 (seed 004,
+    docs/mathematics.md 1.3)."""
 
     def __init__(self, heads: int, dim: int) -> None:
         super().__init__()
@@ -208,7 +210,7 @@ class ScaledExpTemperature(nn.Module):
 
 
 class SoftplusTemperature(nn.Module):
-    """`tau = softplus(raw)` per head, initialised to `init` (SPEC 1.5)."""
+    """`tau = softplus(raw)` per head, initialised to `init` (docs/mathematics.md 1.5)."""
 
     def __init__(self, heads: int, init: float = 1.0) -> None:
         super().__init__()

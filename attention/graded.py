@@ -1,7 +1,7 @@
-"""Graded attention (SPEC 3, seed 001): a grade vector `g in R^d` per head weights the features,
-`w_j = f(g_j)`, `M = diag(w)`; linear grading (LGT) `f(g) = |g| + 1`, exponential (EGT)
-`f(g) = lambda^|g|` (`= lambda^g` for the seed's `g >= 0`; the absolute value keeps the weights
->= 1 and the gradient alive when a learnable grade crosses 0), `lambda >= 1`.
+"""Graded attention (docs/mathematics.md 3, seed 001): a grade vector `g in R^d` per head weights
+the features, `w_j = f(g_j)`, `M = diag(w)`; linear grading (LGT) `f(g) = |g| + 1`, exponential
+(EGT) `f(g) = lambda^|g|` (`= lambda^g` for the seed's `g >= 0`; the absolute value keeps the
+weights >= 1 and the gradient alive when a learnable grade crosses 0), `lambda >= 1`.
 
 Variants (seed defs. 5.13, 5.22, 6.4, 6.14):
 - `"scores"`: `logit = q^T M k / sqrt(d)`, one grade vector shared by the heads;
@@ -182,8 +182,9 @@ def graded_positional_encoding(
     kind: GradeKind = "linear",
     lam: float = 2.0,
 ) -> torch.Tensor:
-    """Graded positional encoding: `(1 - alpha t) Pe(t, i)` (linear, seed def. 5.21; SPEC 3) or
-    `lam^(-alpha t) Pe(t, i)` (exponential, seed sec. 6.2), emphasising early positions."""
+    """Graded positional encoding: `(1 - alpha t) Pe(t, i)` (linear, seed def. 5.21;
+    docs/mathematics.md 3) or `lam^(-alpha t) Pe(t, i)` (exponential, seed sec. 6.2), emphasising
+    early positions."""
     if not alpha > 0:
         raise ValueError(f"expected alpha > 0, got {alpha}")
     t = positions.to(torch.get_default_dtype()).unsqueeze(-1)

@@ -1,5 +1,5 @@
-"""Building blocks for training models with any geometry: the mixture of geometries (SPEC 8) and
-`GeometricTransformerLayer`, a compact pre-norm encoder block."""
+"""Building blocks for training models with any geometry: the mixture of geometries
+(docs/mathematics.md 8) and `GeometricTransformerLayer`, a compact pre-norm encoder block."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ExpertSpec = str | dict[str, Any] | Geometry | nn.Module
 
 class GeometryMixture(nn.Module):
     """Mixture of geometries: experts with different geometries and a per-token gate,
-    `gate = softmax(MLP(x))`, `out = sum_k gate_k expert_k` (SPEC 8).
+    `gate = softmax(MLP(x))`, `out = sum_k gate_k expert_k` (docs/mathematics.md 8).
 
     Args:
         embed_dim, num_heads: as `GeometricAttention`.

@@ -1,4 +1,4 @@
-"""Exact merging of attention over disjoint key sets (SPEC 7)."""
+"""Exact merging of attention over disjoint key sets (docs/mathematics.md 7)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ def tiny(dtype: torch.dtype) -> float:
 
 
 def boundary_eps(dtype: torch.dtype) -> float:
-    """Relative margin kept from the Poincare-ball boundary (SPEC 1.3): 4e-3 (f32), 1e-5 (f64)."""
+    """Relative margin kept from the Poincare-ball boundary (docs/mathematics.md 1.3): 4e-3 (f32),
+    1e-5 (f64)."""
     return _BOUNDARY_EPS[compute_dtype(dtype)]
 
 

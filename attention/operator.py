@@ -1,4 +1,4 @@
-"""Operator attention (SPEC 4, seed 000 sec. 6): every vector becomes an operator
+"""Operator attention (docs/mathematics.md 4, seed 000 sec. 6): every vector becomes an operator
 `A_x = reshape(U x, m, m)` and the logit is `-||A_q - A_k||_HS^2 / tau`, the squared
 Hilbert-Schmidt (Frobenius) distance.
 

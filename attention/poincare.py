@@ -1,5 +1,5 @@
-"""The Poincare ball `B^p` (SPEC 1.4): the kappa = -1 case of the kappa-stereographic family,
-witness `project(expmap0(x))`, distance
+"""The Poincare ball `B^p` (docs/mathematics.md 1.4): the kappa = -1 case of the kappa-stereographic
+family, witness `project(expmap0(x))`, distance
 `arccosh(1 + 2||u - v||^2 / ((1 - ||u||^2)(1 - ||v||^2)))`."""
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Geometric REWA: the product manifold `R^m x S^n x B^p` (SPEC 1.5, seed 000 sec. 4).
+"""Geometric REWA: the product manifold `R^m x S^n x B^p` (docs/mathematics.md 1.5; seed 000,
+sec. 4).
 
 Witness `w = (w_R, w_S, w_H)` from three linear maps followed by the identity, the sphere
 normalisation and `project(expmap0(.))` into the unit Poincare ball.
-`d_M = a d_R^p + b d_S^p + c d_H^p` (`p = 1` by default, the SPEC formula; `p = 2` gives the
-squared geodesic distance of the weighted product metric), logits `-d_M / tau`.
+`d_M = a d_R^p + b d_S^p + c d_H^p` (`p = 1` by default, the formula of docs/mathematics.md; `p = 2`
+gives the squared geodesic distance of the weighted product metric), logits `-d_M / tau`.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ class ProductGeometry(Geometry):
         dim: ambient head dimension `d`.
         euclidean_dim, sphere_dim, hyperbolic_dim: `m`, `n`, `p`; any may be 0 (component absent).
             Defaults: d/4, d/2 and the rest.
-        power: 1 (SPEC) or 2, the exponent of each component distance.
-        temperature: `"softplus"` (default, SPEC 1.5) or `"scaled_exp"` (SPEC 1.3).
+        power: 1 (docs/mathematics.md 1.5) or 2, the exponent of each component distance.
+        temperature: `"softplus"` (default, docs/mathematics.md 1.5) or `"scaled_exp"` (1.3).
         tau_init: initial temperature (default 1 for softplus, sqrt(d) for scaled_exp).
 
     The raw weights start where the effective weights are `(1/sqrt(m), 1, 1/sqrt(p))`.

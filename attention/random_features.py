@@ -1,4 +1,4 @@
-"""Functional attention with random Fourier features (SPEC 4, seed 000 sec. 5):
+"""Functional attention with random Fourier features (docs/mathematics.md 4, seed 000 sec. 5):
 `phi(x) = sqrt(2/D) [cos(omega_i . x); sin(omega_i . x)]` with `D/2` frequencies
 `omega_i ~ N(0, sigma^-2 I)`, logit `phi(q) . phi(k) / tau`. `phi(x) . phi(y)` is an unbiased
 estimate of the Gaussian kernel `exp(-||x - y||^2 / (2 sigma^2))` (Hoeffding:

@@ -1,5 +1,5 @@
-"""RiemannFormer (SPEC 5, seed 003): parallel transport of embeddings (PaTE), metric scaling
-outside the softmax, and locality focusing on values.
+"""RiemannFormer (docs/mathematics.md 5, seed 003): parallel transport of embeddings (PaTE), metric
+scaling outside the softmax, and locality focusing on values.
 
 - PaTE, 1-D: SO(2) rotations of consecutive coordinate pairs `(2b, 2b + 1)` by `p theta_b`,
   `theta_b = base^(-2b/d)` (RoPE-like). 2-D: each block of four coordinates is a quaternion `x`
@@ -69,7 +69,7 @@ def _unit_quaternion(angle: torch.Tensor, axis: torch.Tensor) -> torch.Tensor:
 
 
 class ParallelTransport(nn.Module):
-    """PaTE rotations `R(p)` of queries and keys at positions `p` (SPEC 5).
+    """PaTE rotations `R(p)` of queries and keys at positions `p` (docs/mathematics.md 5).
 
     Args:
         dim: head dimension `d`; even for `"so2"`, divisible by 4 for `"so4"`.
@@ -340,7 +340,7 @@ def riemann_attention(
 
 class RiemannAttention(GeometricAttention):
     """RiemannFormer multi-head attention: PaTE on queries and keys, any geometry, metric scaling
-    outside the softmax and locality focusing on values (SPEC 5).
+    outside the softmax and locality focusing on values (docs/mathematics.md 5).
 
     Args (besides `GeometricAttention`'s):
         transport: `"so2"` (1-D positions, default), `"so4"` (2-D grid positions `(N, 2)`) or

@@ -1,5 +1,5 @@
-"""Sparse attention over given candidates, O(N K d) (SPEC 6): exact logits on each query's
-candidate keys, the top K of them, softmax, `(out, lse)`.
+"""Sparse attention over given candidates, O(N K d) (docs/mathematics.md 6): exact logits on each
+query's candidate keys, the top K of them, softmax, `(out, lse)`.
 
 Candidates are key indices `(..., nq, C)` in a padded fixed-width layout, `-1` marking padding.
 Duplicates within a row are ignored after their first occurrence. Work is chunked over queries so

@@ -1,5 +1,5 @@
-"""The unit sphere `S^{n-1}` (SPEC 1.2): witness `x / max(||x||, eps)`, distance `arccos<a, b>`
-computed as `2 atan2(||a - b||, ||a + b||)`, lift the witness with inner product."""
+"""The unit sphere `S^{n-1}` (docs/mathematics.md 1.2): witness `x / max(||x||, eps)`, distance
+`arccos<a, b>` computed as `2 atan2(||a - b||, ||a + b||)`, lift the witness with inner product."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """kappa-stereographic model: one family for every curvature, continuous across kappa = 0
-(SPEC 1.3, after seed 004; conventions of geoopt's `Stereographic` manifold).
+(docs/mathematics.md 1.3, after seed 004; conventions of geoopt's `Stereographic` manifold).
 
 Pure tensor functions first, then the `KappaStereographic` geometry that holds a per-head
 curvature. `kappa` arguments broadcast against the norms the functions take: against `x[..., :1]`
@@ -128,7 +128,7 @@ def arsin_k(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def mobius_add(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """`x (+)_k y` along the last axis (SPEC 1.3)."""
+    """`x (+)_k y` along the last axis (docs/mathematics.md 1.3)."""
     x2 = x.square().sum(-1, keepdim=True)
     y2 = y.square().sum(-1, keepdim=True)
     xy = (x * y).sum(-1, keepdim=True)
@@ -173,8 +173,8 @@ def dist(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Geodesic distance between points paired along the last axis.
 
     Computed as `2 arsin_k(||x - y|| / sqrt((1 + k|x|^2)(1 + k|y|^2)))`, which equals
-    `2 artan_k(||(-x) (+)_k y||)` (SPEC 1.3) and keeps full relative accuracy for close points
-    because the difference is taken before any cancellation.
+    `2 artan_k(||(-x) (+)_k y||)` (docs/mathematics.md 1.3) and keeps full relative accuracy for
+    close points because the difference is taken before any cancellation.
     """
     chord = safe_norm(x - y) * _conformal_factor(x, k) * _conformal_factor(y, k)
     return 2 * arsin_k(chord, k)
@@ -245,7 +245,7 @@ def _distance_from_weighted_chord(
     """`scale * 2 arsin_k(chord)` from `v = _chord_weight(k, sign) * chord^2`.
 
     For a curvature of one strict sign that needs no gradient the closed form runs directly on
-    `v`: `arccosh(1 + v)/sqrt(-k)` (SPEC 1.4's form, v = 2|k| chord^2) for k < 0,
+    `v`: `arccosh(1 + v)/sqrt(-k)` (docs/mathematics.md 1.4's form, v = 2|k| chord^2) for k < 0,
     `2 arcsin(sqrt(v))/sqrt(k)` (v = k chord^2) for k > 0 (the dense-attention hot path);
     otherwise the element-wise `arsin_k` with its series near 0.
     """
@@ -274,9 +274,9 @@ def chord_lift(w: torch.Tensor, k: torch.Tensor, role: Role) -> Lift:
 
     With `c = 1 + k|p|^2`: queries `(-(1 - k|q|^2)/c_q, 2q/c_q)`, keys `(2|p|^2/c_p, 2p/c_p)`.
     Their inner product is `2|q|^2/c_q - 2 chord(q, p)^2`, so ranking keys by it descending is
-    ranking by `d_k` ascending. It is the hyperboloid (k<0) or sphere (k>0) lift of SPEC 1.3 with
-    the constant 1 removed, which keeps it well conditioned as k -> 0. `k` broadcasts against
-    `w[..., :1]`.
+    ranking by `d_k` ascending. It is the hyperboloid (k<0) or sphere (k>0) lift of
+    docs/mathematics.md 1.3 with the constant 1 removed, which keeps it well conditioned as k -> 0.
+    `k` broadcasts against `w[..., :1]`.
     """
     check_role(role)
     squared = w.square().sum(-1, keepdim=True)

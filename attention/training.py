@@ -1,5 +1,5 @@
-"""Training aids (SPEC 8): the geometric curriculum (seed 000 Alg. 7) and Riemannian gradients
-for parameters that live on a kappa-stereographic ball."""
+"""Training aids (docs/mathematics.md 8): the geometric curriculum (seed 000 Alg. 7) and Riemannian
+gradients for parameters that live on a kappa-stereographic ball."""
 
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def riemannian_gradient(
 ) -> torch.Tensor:
     """The Riemannian gradient of a point `x (..., d)` of the kappa-stereographic model:
     `((1 + kappa ||x||^2)^2 / 4) grad_E`, i.e. `grad_E / lambda_x^2`; on the Poincare ball
-    (kappa = -1) `((1 - ||x||^2)^2 / 4) grad_E` (SPEC 8; seed 000 eq. 105 omits the 1/4)."""
+    (kappa = -1) `((1 - ||x||^2)^2 / 4) grad_E` (docs/mathematics.md 8; seed 000 eq. 105 omits the
+    1/4)."""
     kappa = torch.as_tensor(kappa, dtype=x.dtype, device=x.device)
     factor = (1 + kappa * x.square().sum(-1, keepdim=True)).square() / 4
     return factor * euclidean_gradient

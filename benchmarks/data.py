@@ -1,4 +1,4 @@
-"""Seeded benchmark data sets shared by tests and benchmarks (DESIGN "Benchmark data sets").
+"""Seeded benchmark data sets shared by tests and benchmarks.
 
 Each data set is queries, keys and values for one head plus the geometry its attention is
 defined in, with a fixed temperature chosen so that dense attention is neither one-hot (trivial

@@ -2,8 +2,8 @@
 
 A layer that attends a local window of keys exactly can add a long remote context without
 holding it: `RemoteMemory` sends the layer's queries to the service and gets back `(out, lse)`,
-and `merge_attention` (SPEC 7) combines them with the local attention's `(out, lse)` exactly, as
-if one softmax had covered both key sets."""
+and `merge_attention` (docs/mathematics.md 7) combines them with the local attention's `(out, lse)`
+exactly, as if one softmax had covered both key sets."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""Candidate search for a geometry without an exact lift (cone attention, SPEC 2): keys are split
-into bands of similar `Geometry.band_coordinate` (for cones, log height), each band gets its own
-FAISS index over the geometry's candidate lift, a query searches every band, and the union is
-re-scored exactly. Within a band the candidate lift ranks keys almost as the score does; across
-bands it does not, which is why bands are searched separately rather than pooled."""
+"""Candidate search for a geometry without an exact lift (cone attention, docs/mathematics.md 2):
+keys are split into bands of similar `Geometry.band_coordinate` (for cones, log height), each band
+gets its own FAISS index over the geometry's candidate lift, a query searches every band, and the
+union is re-scored exactly. Within a band the candidate lift ranks keys almost as the score does;
+across bands it does not, which is why bands are searched separately rather than pooled."""
 
 from __future__ import annotations
 

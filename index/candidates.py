@@ -1,5 +1,6 @@
-"""Candidate sets (SPEC 6): the union of index candidates, a local window and sink positions,
-causally filtered and de-duplicated, in a padded fixed-width layout for vectorised attention."""
+"""Candidate sets (docs/mathematics.md 6): the union of index candidates, a local window and sink
+positions, causally filtered and de-duplicated, in a padded fixed-width layout for vectorised
+attention."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The clustered representation of a context's keys behind cluster-tail attention (SPEC 6,
-"Tail estimate").
+"""The clustered representation of a context's keys behind cluster-tail attention
+(docs/mathematics.md 6, "Tail estimate").
 
 Keys are partitioned by k-means (FAISS, on the GPU when one is usable) on their exact lift
 vectors. Every estimate works in *feature space*: the lift similarity of a query and a key

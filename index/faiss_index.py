@@ -1,5 +1,6 @@
-"""FAISS indexes on a geometry's exact lifts (SPEC 6): flat, IVF and HNSW, with the metric the
-lift names (L2 or inner product); a product geometry searches each component and takes the union.
+"""FAISS indexes on a geometry's exact lifts (docs/mathematics.md 6): flat, IVF and HNSW, with the
+metric the lift names (L2 or inner product); a product geometry searches each component and takes
+the union.
 
 Interfaces follow FAISS: `add(x)`, `search(x, k) -> (D, I)` of shape `(nq, k)`, `ntotal`, and
 `serialize() -> bytes` / `load(bytes)`. GPU indexes are used when CUDA and a GPU build of FAISS

@@ -7,9 +7,9 @@ product for the dot product). Each block keeps its top K per query; the per-quer
 into the exact top K over the probed lists, with their exact logits (`ivf_block_topk`).
 
 `ivf_block_attention` attends to every key of the probed lists instead: a softmax per block, and
-the blocks of one query merged exactly (SPEC 7). No top-K selection and no gather: matrix products
-and one exponential per score, and at least the accuracy of top K over the same lists.
-These are the paths `retrieval_attention` takes for a single-lift geometry indexed with IVF.
+the blocks of one query merged exactly (docs/mathematics.md 7). No top-K selection and no gather:
+matrix products and one exponential per score, and at least the accuracy of top K over the same
+lists. These are the paths `retrieval_attention` takes for a single-lift geometry indexed with IVF.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Locality-sensitive hash families and composite LSH tables (SPEC 6, seed 000 Alg. 2 and 4).
+"""Locality-sensitive hash families and composite LSH tables (docs/mathematics.md 6, seed 000 Alg. 2
+and 4).
 
 Families (each produces integer codes `(..., n, L, t)` for L tables):
 - `GridHash` (E2LSH, Euclidean): `floor((A x + b) / r)`, A Gaussian, b ~ U[0, r).
@@ -9,7 +10,7 @@ Families (each produces integer codes `(..., n, L, t)` for L tables):
 `CompositeLSH` picks the families a geometry needs (a product geometry concatenates all three per
 table), hashes each table's codes into one bucket id, and finds every key that shares a bucket
 with a query in any table by sorting and binary search: no Python loop over tokens.
-Collision probabilities are measured as recall (SPEC 9.6), never asserted.
+Collision probabilities are measured as recall (docs/mathematics.md 9.6), never asserted.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Quality of sparse attention against exact dense attention (SPEC 6), as library calls.
+"""Quality of sparse attention against exact dense attention (docs/mathematics.md 6), as library
+calls.
 
 Every measure is per query; `summary` gives the median and p99. Nothing here builds an N x N
 matrix: exact top-K and the dense log-partition are computed in tiles.

@@ -1,6 +1,6 @@
 """`retrieval_attention`: build or reuse an index over the keys, gather each query's candidates
 (index neighbours, a local window, sink positions; causally filtered), attend exactly over the
-top K of them (SPEC 6, DESIGN "Data flow"); with IVF, score whole lists in dense blocks
+top K of them (docs/mathematics.md 6); with IVF, score whole lists in dense blocks
 (`ivf_blocks`); with clusters (`KeyClusters`), visit the most massive clusters exactly and
 estimate the rest (`tail`)."""
 

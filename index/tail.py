@@ -1,5 +1,6 @@
-"""Cluster-tail attention (SPEC 6, "Tail estimate"): exact attention over the keys of the
-clusters a query visits, an estimate of every cluster it does not visit, merged exactly (SPEC 7).
+"""Cluster-tail attention (docs/mathematics.md 6, "Tail estimate"): exact attention over the keys of
+the clusters a query visits, an estimate of every cluster it does not visit, merged exactly
+(docs/mathematics.md 7).
 
 Estimator (`estimate_clusters`). Within cluster c, a query's lift similarities `s` to the
 cluster's keys have the exact mean `s_bar = <a, mu_c> + c` and variance `a^T Sigma_c a` (per
@@ -7,9 +8,10 @@ lift, with the cross-covariances between lifts), from the cluster's feature mome
 (`clusters.KeyClusters`). Model `s` as Gaussian with those moments, truncated to the range the
 cluster's radius allows (`s_bar +- |a| radius`), and integrate:
 
-- dot product (`logit = scale * s`), in closed form, the second-order estimate of SPEC 6:
+- dot product (`logit = scale * s`), in closed form, the second-order estimate of
+  docs/mathematics.md 6:
   `log sum_{j in c} exp(l_j) ~ log n_c + scale s_bar + scale Delta / 2` with the tilt
-  `Delta = min(scale var, |a| radius)`: `scale Delta / 2 = scale^2 var / 2`, SPEC 6's
+  `Delta = min(scale var, |a| radius)`: `scale Delta / 2 = scale^2 var / 2`, docs/mathematics.md 6's
   `q^T Sigma q / (2 d)`, unless the bound caps it;
 - every other geometry: `log n_c + log sum_k w_k exp(phi(s_k))` over the three-point
   Gauss-Hermite rule, nodes `s_k = s_bar + sqrt(var) (0, +-sqrt(3))` with weights
@@ -24,9 +26,9 @@ cluster's radius allows (`s_bar +- |a| radius`), and integrate:
 
 Values: with `g = Delta / var` (the effective slope; `= scale` for an untruncated dot product),
 the cluster's softmax-weighted value is `m_c + sum_i g_i Cov(v, s_i)`, the exponentially
-tilted mean of jointly Gaussian `(s, v)`: SPEC 6's first-order `m_c + C_c^T q / sqrt(d)`, with
-the full key-value cross-covariance `Cov(v, s_i) = Cov(b, v)^T a_i`. Summed over clusters with
-the tail weights w, the shift is `sum_i a_i^T (sum_c w_c g_ic Cov_c(b_i, v))`: one
+tilted mean of jointly Gaussian `(s, v)`: docs/mathematics.md 6's first-order `m_c + C_c^T q /
+sqrt(d)`, with the full key-value cross-covariance `Cov(v, s_i) = Cov(b, v)^T a_i`. Summed over
+clusters with the tail weights w, the shift is `sum_i a_i^T (sum_c w_c g_ic Cov_c(b_i, v))`: one
 `(nq, nc) @ (nc, D_i dv)` matrix product per lift, no `(nq, nc, .)` tensor; it runs in
 bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`shift_dtype`).
 
@@ -562,8 +564,8 @@ def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def _merge_partials(
     n_queries: int, rows: torch.Tensor, partial_out: torch.Tensor, partial_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial `(out, lse)` rows of the queries `rows` per query (SPEC 7) with scatter
-    operations; queries without a partial get `(0, -inf)`."""
+    """Merge partial `(out, lse)` rows of the queries `rows` per query (docs/mathematics.md 7) with
+    scatter operations; queries without a partial get `(0, -inf)`."""
     lse = partial_lse.new_full((n_queries,), float("-inf"))
     best = lse.scatter_reduce(0, rows, partial_lse, reduce="amax")
     reference = torch.where(torch.isfinite(best), best, torch.zeros_like(best))

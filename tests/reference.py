@@ -1,5 +1,5 @@
-"""Float64 reference implementations written directly from SPEC formulas, independent of the
-library's numerics (no series, no Gram expansions, no fused forms)."""
+"""Float64 reference implementations written directly from the formulas of docs/mathematics.md,
+independent of the library's numerics (no series, no Gram expansions, no fused forms)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,14 @@ def sphere(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def poincare(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SPEC 1.4: arccosh(1 + 2||u - v||^2 / ((1 - ||u||^2)(1 - ||v||^2)))."""
+    """docs/mathematics.md 1.4: arccosh(1 + 2||u - v||^2 / ((1 - ||u||^2)(1 - ||v||^2)))."""
     num = 2 * (u - v).pow(2).sum(-1)
     den = (1 - u.pow(2).sum(-1)) * (1 - v.pow(2).sum(-1))
     return torch.arccosh(1 + num / den)
 
 
 def mobius_add(x: torch.Tensor, y: torch.Tensor, k: float) -> torch.Tensor:
-    """SPEC 1.3 Mobius addition."""
+    """docs/mathematics.md 1.3 Mobius addition."""
     xy = (x * y).sum(-1, keepdim=True)
     x2 = x.pow(2).sum(-1, keepdim=True)
     y2 = y.pow(2).sum(-1, keepdim=True)
@@ -51,7 +51,7 @@ def tan_k(x: torch.Tensor, k: float) -> torch.Tensor:
 
 
 def kappa(x: torch.Tensor, y: torch.Tensor, k: float) -> torch.Tensor:
-    """SPEC 1.3: d_k(x, y) = 2 artan_k(||(-x) (+)_k y||)."""
+    """docs/mathematics.md 1.3: d_k(x, y) = 2 artan_k(||(-x) (+)_k y||)."""
     return 2 * artan_k(mobius_add(-x, y, k).norm(dim=-1), k)
 
 

@@ -1,7 +1,8 @@
-"""Cone (SPEC 2) and graded (SPEC 3) attention against direct float64 implementations of their
-formulas; the penumbral branches, the out-of-cone symmetry, umbral == Laplacian at equal heights;
-graded == dot product at unit weights; exact graded lifts; the cone candidate method (height
-bands) and its recall; sparse == dense; gradients; the graded training aids."""
+"""Cone (docs/mathematics.md 2) and graded (docs/mathematics.md 3) attention against direct float64
+implementations of their formulas; the penumbral branches, the out-of-cone symmetry, umbral ==
+Laplacian at equal heights; graded == dot product at unit weights; exact graded lifts; the cone
+candidate method (height bands) and its recall; sparse == dense; gradients; the graded training
+aids."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def _map(x: list[float], kind: str, light: float, height_scale: float) -> tuple[
 
 
 def _reference_height(u, v, kind: str, r: float) -> tuple[float, bool]:
-    """SPEC 2 in plain float64 scalars: the cone-root height and whether a cone holds both."""
+    """docs/mathematics.md 2 in plain float64 scalars: the cone-root height and whether a cone holds
+    both."""
     (ux, uy), (vx, vy) = u, v
     distance = math.dist(ux, vx)
     if kind == "umbral":

@@ -1,4 +1,5 @@
-"""Exact dense attention against a naive float64 softmax, for every geometry (SPEC 1, 7)."""
+"""Exact dense attention against a naive float64 softmax, for every geometry (docs/mathematics.md 1,
+7)."""
 
 import math
 

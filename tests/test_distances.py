@@ -1,5 +1,5 @@
 """Every geometry's logits, dense (`score`) and on gathered candidates (`score_at`), against
-float64 references written from the SPEC formulas."""
+float64 references written from the formulas of docs/mathematics.md."""
 
 import math
 
@@ -64,7 +64,8 @@ def test_sphere_logits(power):
 
 
 def test_sphere_distance_is_exact_near_zero_and_pi():
-    """The atan2 form keeps full accuracy where arccos(clamp(.)) loses it (SPEC 1.2)."""
+    """The atan2 form keeps full accuracy where arccos(clamp(.)) loses it (docs/mathematics.md
+    1.2)."""
     from rewa.attention import sphere
 
     a = F.normalize(torch.randn(DIM, dtype=torch.float64), dim=0)
@@ -134,7 +135,7 @@ def test_product_logits_are_the_weighted_sum(power):
 
 
 def test_float32_dense_logits_track_float64():
-    """Away from the projection margin, which differs by dtype (SPEC 1.3)."""
+    """Away from the projection margin, which differs by dtype (docs/mathematics.md 1.3)."""
     for g in (Euclidean(DIM), Sphere(DIM), PoincareBall(DIM), KappaStereographic(DIM, kappa=0.7)):
         q, k = inside(64).float(), inside(96).float()
         expected = g.double().logits(q.double(), k.double())

@@ -1,4 +1,4 @@
-"""Random-feature (functional) and operator attention (SPEC 4) against direct float64
+"""Random-feature (functional) and operator attention (docs/mathematics.md 4) against direct float64
 implementations of their formulas; exact lifts; sparse == dense; gradients; the Hoeffding bound
 of random features; low-rank Hilbert-Schmidt distances equal full ones."""
 

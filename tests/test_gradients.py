@@ -1,5 +1,6 @@
-"""Finite, correct gradients everywhere in the domain (SPEC 1.3): across kappa = 0, at the
-projection boundary, at distance 0, and through the tiled attention's recomputing backward."""
+"""Finite, correct gradients everywhere in the domain (docs/mathematics.md 1.3): across kappa = 0,
+at the projection boundary, at distance 0, and through the tiled attention's recomputing
+backward."""
 
 import math
 
@@ -99,7 +100,8 @@ def test_curvature_gradient_is_continuous_across_zero():
         stereographic.dist(x, y, k).sum().backward()
         grads.append(k.grad.item())
     assert grads[0] == pytest.approx(grads[1], rel=1e-9) and grads[2] == pytest.approx(grads[1])
-    # Central differences on the exact SPEC formula at +-1e-3 (closed forms on both sides).
+    # Central differences on the exact formula of docs/mathematics.md at +-1e-3 (closed forms on
+    # both sides).
     h = 1e-3
     slope = (reference.kappa(x, y, h).sum() - reference.kappa(x, y, -h).sum()) / (2 * h)
     assert grads[1] == pytest.approx(slope.item(), rel=1e-5)

@@ -1,5 +1,5 @@
 """rewa.index: candidate sets, composite LSH, FAISS on exact lifts, retrieval attention and the
-quality measures (SPEC 6)."""
+quality measures (docs/mathematics.md 6)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Mixture of geometries, GeometricTransformerLayer, the geometric curriculum and Riemannian
-gradients (SPEC 8)."""
+gradients (docs/mathematics.md 8)."""
 
 import geoopt
 import pytest

@@ -1,4 +1,5 @@
-"""Ranking keys by the lifted metric equals ranking them by the geometry (SPEC 1.x "Lift")."""
+"""Ranking keys by the lifted metric equals ranking them by the geometry (docs/mathematics.md 1.x
+"Lift")."""
 
 import pytest
 import torch

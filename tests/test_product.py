@@ -1,5 +1,6 @@
-"""Geometric REWA specifics (SPEC 1.5): initial weights, temperatures, diagnostics, adaptive
-per-token weights, absent components, and backward compatibility in the high-similarity regime."""
+"""Geometric REWA specifics (docs/mathematics.md 1.5): initial weights, temperatures, diagnostics,
+adaptive per-token weights, absent components, and backward compatibility in the high-similarity
+regime."""
 
 import math
 
@@ -114,10 +115,10 @@ def attention_gap(spread: float, power: int) -> tuple[float, float]:
 
 
 def test_backward_compatibility_holds_only_in_the_high_similarity_regime():
-    """SPEC 1.5 / seed 000 Thm 4.2(3). Measured, and claimed nowhere else: with every cosine above
-    0.9, spherical REWA with squared distance and tau_G = 2 tau_T reproduces standard attention
-    closely; the seed's own construction (distance to the power 1, tau_G = sqrt(2) tau_T) is
-    much further off than the seed's '< 0.01'; for unrelated directions neither approximates."""
+    """docs/mathematics.md 1.5 / seed 000 Thm 4.2(3). Measured, and claimed nowhere else: with every
+    cosine above 0.9, spherical REWA with squared distance and tau_G = 2 tau_T reproduces standard
+    attention closely; the seed's own construction (distance to the power 1, tau_G = sqrt(2) tau_T)
+    is much further off than the seed's '< 0.01'; for unrelated directions neither approximates."""
     in_regime_squared, min_cos = attention_gap(spread=0.04, power=2)
     in_regime_seed, _ = attention_gap(spread=0.04, power=1)
     outside_squared, outside_cos = attention_gap(spread=10.0, power=2)

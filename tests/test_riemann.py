@@ -1,5 +1,5 @@
-"""RiemannFormer (SPEC 5): PaTE rotations, SO(4) generators, metric scaling and locality focusing
-against float64 references built from their SPEC formulas."""
+"""RiemannFormer (docs/mathematics.md 5): PaTE rotations, SO(4) generators, metric scaling and
+locality focusing against float64 references built from their formulas in docs/mathematics.md."""
 
 import math
 
@@ -129,7 +129,8 @@ def test_so4_needs_dimension_divisible_by_four():
 
 
 def _reference(q, k, v, logits_of, s_q=None, s_k=None, sigma=None, pq=None, pk=None, allowed=None):
-    """`out_i = s_i sum_j a_ij Lambda_ij s_j v_j` term by term in float64 (SPEC 5)."""
+    """`out_i = s_i sum_j a_ij Lambda_ij s_j v_j` term by term in float64 (docs/mathematics.md
+    5)."""
     logits = logits_of(q, k)
     if allowed is not None:
         logits = logits.masked_fill(~allowed, -math.inf)

@@ -1,4 +1,5 @@
-"""Sparse attention over candidates (SPEC 6): exactness, top-K semantics, gradients."""
+"""Sparse attention over candidates (docs/mathematics.md 6): exactness, top-K semantics,
+gradients."""
 
 import pytest
 import torch

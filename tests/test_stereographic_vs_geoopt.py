@@ -1,4 +1,5 @@
-"""kappa-stereographic maps against geoopt's independent implementation (SPEC 1.3)."""
+"""kappa-stereographic maps against geoopt's independent implementation (docs/mathematics.md
+1.3)."""
 
 import geoopt.manifolds.stereographic.math as geo
 import pytest

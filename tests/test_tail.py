@@ -1,5 +1,6 @@
-"""Cluster-tail attention (SPEC 6 "Tail estimate"): exactness when every cluster is visited, the
-limits where the estimator is exact, and lower error than exact-only sparse attention."""
+"""Cluster-tail attention (docs/mathematics.md 6 "Tail estimate"): exactness when every cluster is
+visited, the limits where the estimator is exact, and lower error than exact-only sparse
+attention."""
 
 import io
 
