@@ -54,7 +54,11 @@ def penumbral_height(
     a = safe_sqrt(r2 - u_y * u_y)
     b = safe_sqrt(r2 - v_y * v_y)
     exists = (distance <= a) | ((distance - a).square() + v_y * v_y < r2)
-    inside = safe_sqrt(r2 - ((a + b - distance) / 2).square())
+    # r^2 - ((a + b - D) / 2)^2 without cancellation: with r - a = u_y^2 / (r + a) (likewise b),
+    # (a + b - D) / 2 = r - s and r^2 - (r - s)^2 = s (2r - s), for
+    # s = (u_y^2 / (r + a) + v_y^2 / (r + b) + D) / 2 (docs/mathematics.md 2).
+    s = (u_y * u_y / (r + a) + v_y * v_y / (r + b) + distance) / 2
+    inside = safe_sqrt(s * (2 * r - s))
     inside = torch.maximum(torch.maximum(u_y, v_y), inside)
     # Outside, D > a >= 0; the placeholder keeps the unused branch (and its gradient) finite.
     apart = torch.where(exists, torch.ones_like(distance), distance)

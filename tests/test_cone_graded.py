@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import mpmath
 import pytest
 import torch
 from torch.nn import functional as F
@@ -409,3 +410,32 @@ def test_cone_attention_module_trains_gamma(kind):
     module(torch.randn(2, 9, 16)).square().sum().backward()
     gamma = module.geometry.log_gamma
     assert gamma.shape == (2,) and gamma.grad is not None and torch.isfinite(gamma.grad).all()
+
+
+def _penumbral_height_mp(distance: float, u_y: float, v_y: float, r: float) -> float:
+    """The penumbral height inside a common cone, at 50 digits (docs/mathematics.md 2)."""
+    with mpmath.workdps(50):
+        d, u, v, radius = (mpmath.mpf(x) for x in (distance, u_y, v_y, r))
+        a, b = mpmath.sqrt(radius**2 - u**2), mpmath.sqrt(radius**2 - v**2)
+        return float(max(u, v, mpmath.sqrt(radius**2 - ((a + b - d) / 2) ** 2)))
+
+
+@pytest.mark.parametrize("scale", [1e-13, 1e-9, 1e-5, 1e-2, 0.3])
+def test_penumbral_heights_are_accurate_at_every_scale(scale):
+    """Tiny heights and distances lost digits to `r^2 - ((a + b - D)/2)^2` (relative error 3e-5
+    in float64 at heights near 1e-13); the form `s (2r - s)` keeps float64's precision."""
+    generator = torch.Generator().manual_seed(11)
+    u_y, v_y, distance = (
+        scale * (0.1 + 0.9 * torch.rand(200, generator=generator, dtype=torch.float64))
+        for _ in range(3)
+    )
+    r = torch.tensor(1.0, dtype=torch.float64)
+    heights = penumbral_height(distance, u_y, v_y, r)
+    expected = torch.tensor(
+        [
+            _penumbral_height_mp(*values, 1.0)
+            for values in zip(*(t.tolist() for t in (distance, u_y, v_y)), strict=True)
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(heights, expected, rtol=1e-13, atol=0)
