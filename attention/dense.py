@@ -181,14 +181,19 @@ def _mask_tile(
 
 
 def _base2_terms(terms: list[ScoreTerm] | None) -> list[ScoreTerm] | None:
-    """The terms with `log2(e)` folded into their weights, for logits in base-2 units (the
-    linear terms' weights into their queries)."""
+    """The terms with `log2(e)` folded into their weights, for logits in base-2 units: the
+    linear terms' weights into their queries, the others' as tensors of the queries' dtype and
+    device (made once here, not per tile)."""
     if terms is None:
         return None
     return [
         ScoreTerm(term.queries * (term.weight * LOG2E), term.keys)
         if not term.stages
-        else term._replace(weight=term.weight * LOG2E)
+        else term._replace(
+            weight=torch.as_tensor(
+                term.weight * LOG2E, dtype=term.queries.dtype, device=term.queries.device
+            )
+        )
         for term in terms
     ]
 
@@ -213,7 +218,7 @@ def _tile_logits(
         if logits is None:
             logits = value if _is_one(term.weight) else value.mul_(term.weight)
         else:
-            logits.addcmul_(value, torch.as_tensor(term.weight, dtype=value.dtype))
+            logits.addcmul_(value, term.weight)
     return logits
 
 
