@@ -5,7 +5,14 @@ from .cone import Cone, penumbral_height, umbral_height
 from .dense import dense_attention
 from .dot import DotProduct
 from .euclidean import Euclidean
-from .geometry import DistanceGeometry, Geometry, Lift, ScaledExpTemperature, SoftplusTemperature
+from .geometry import (
+    DistanceGeometry,
+    DomainError,
+    Geometry,
+    Lift,
+    ScaledExpTemperature,
+    SoftplusTemperature,
+)
 from .graded import (
     Graded,
     annealed_lambda,
@@ -53,6 +60,7 @@ __all__ = [
     "AdaptiveProductGeometry",
     "Cone",
     "DistanceGeometry",
+    "DomainError",
     "DotProduct",
     "Euclidean",
     "GeometricAttention",

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .geometry import Geometry, Lift, Role, check_role, per_head
+from .geometry import DomainError, Geometry, Lift, Role, check_role, per_head
 from .numerics import gram_squared_distance, safe_norm, safe_sqrt
 
 ConeKind = Literal["penumbral", "umbral"]
@@ -68,7 +68,7 @@ def penumbral_height(
 
 
 def _per_head_values(value: float | Sequence[float], heads: int, name: str) -> torch.Tensor:
-    values = torch.as_tensor(value, dtype=torch.float32).flatten()
+    values = torch.as_tensor(value, dtype=torch.get_default_dtype()).flatten()
     if values.numel() == 1:
         values = values.expand(heads).clone()
     if values.numel() != heads:
@@ -143,12 +143,24 @@ class Cone(Geometry):
         return self.log_gamma.exp()
 
     def witness(self, x: torch.Tensor) -> torch.Tensor:
+        """`(x_h y, y)` with the height `y = exp(x_d / height_scale)` (umbral) or
+        `light_height sigmoid(x_d / height_scale)` (penumbral). Raises `DomainError` where an
+        umbral height overflows the dtype (squared witness norms must stay finite)."""
         t = x[..., -1:] / self.height_scale
         if self.kind == "umbral":
             y = t.exp()
         else:
             y = per_head(self.light_height.to(x.dtype)) * torch.sigmoid(t)
-        return torch.cat([x[..., :-1] * y, y], dim=-1)
+        witness = torch.cat([x[..., :-1] * y, y], dim=-1)
+        if self.kind == "umbral" and not bool(torch.isfinite(witness.square().sum(-1)).all()):
+            limit = 0.5 * math.log(torch.finfo(witness.dtype).max)
+            raise DomainError(
+                f"umbral cone: height coordinates x_d / height_scale up to "
+                f"{float(t.detach().max()):.4g} overflow {witness.dtype} (witnesses are "
+                f"x * exp(x_d / height_scale)); keep x_d / height_scale below about "
+                f"{limit:.0f} minus the log of the other coordinates, or raise height_scale"
+            )
+        return witness
 
     def height(self, distance: torch.Tensor, u_y: torch.Tensor, v_y: torch.Tensor) -> torch.Tensor:
         """Cone-root heights from horizontal distances and the two heights (broadcasting)."""

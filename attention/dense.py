@@ -20,7 +20,13 @@ from . import cuda_kernel
 from .allocator import retain_freed_memory
 from .dot import DotProduct
 from .geometry import Geometry, ScoreTerm, check_attention_inputs
-from .numerics import apply_stages_, compute_dtype, exp2_of_shifted_, exp_of_shifted_
+from .numerics import (
+    apply_stages_,
+    compute_dtype,
+    exp2_of_shifted_,
+    exp_of_shifted_,
+    refine_near_pairs,
+)
 
 DEFAULT_CHUNKS = {"cpu": (256, 2048), "cuda": (2048, 8192)}
 """Tile sizes `(q_chunk, k_chunk)` by device type: on CPUs tiles of a few MB, on GPUs larger
@@ -214,6 +220,8 @@ def _tile_logits(
     logits = None
     for term in terms:
         product = term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2)
+        if term.near is not None:
+            product = refine_near_pairs(product, *term.near.rows(rows, cols))
         value = apply_stages_(product, term.stages)
         if logits is None:
             logits = value if _is_one(term.weight) else value.mul_(term.weight)

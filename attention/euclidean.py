@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, ScoreTerm, check_role, per_head
+from .geometry import (
+    DistanceGeometry,
+    DistanceTerm,
+    Lift,
+    NearPairs,
+    Role,
+    ScoreTerm,
+    check_role,
+    per_head,
+)
 from .numerics import gram_operands, gram_squared_distance, safe_norm, safe_sqrt
 
 
@@ -24,7 +33,7 @@ def distance_matrix(
 
 def distance_term(x: torch.Tensor, y: torch.Tensor) -> DistanceTerm:
     """`distance_matrix(x, y)` in product form: `sqrt` of the Gram expansion."""
-    return DistanceTerm(*gram_operands(x, y), ("sqrt",))
+    return DistanceTerm(*gram_operands(x, y), ("sqrt",), near=NearPairs(x, y))
 
 
 class Euclidean(DistanceGeometry):
@@ -50,7 +59,8 @@ class Euclidean(DistanceGeometry):
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm]:
         if self.power == 2:
             weight = per_head(-1 / self.temperature()).to(qw.dtype)
-            return [ScoreTerm(*gram_operands(qw, kw), ("clamp_to_zero",), weight)]
+            near = NearPairs(qw, kw)
+            return [ScoreTerm(*gram_operands(qw, kw), ("clamp_to_zero",), weight, near)]
         return super().score_terms(qw, kw)
 
     def distance_from_similarity(self, qw: torch.Tensor, similarity: torch.Tensor) -> torch.Tensor:

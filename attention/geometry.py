@@ -24,12 +24,39 @@ Metric = Literal["l2", "ip"]
 Role = Literal["query", "key"]
 
 
+class DomainError(ValueError):
+    """Inputs outside the range a geometry can represent in their dtype (an overflow that would
+    otherwise turn into NaN attention silently)."""
+
+
 class Lift(NamedTuple):
     """Vectors whose L2 distance (`metric="l2"`, smaller is better) or inner product
     (`metric="ip"`, larger is better) ranks keys exactly as the geometry's score does."""
 
     vectors: torch.Tensor
     metric: Metric
+
+
+class NearPairs(NamedTuple):
+    """What a term's product is, for recomputing its near pairs: `factor w_x[i] w_y[j]
+    |x_i - y_j|^2` (`numerics.refine_near_pairs`), with `x (..., nq, d)`, `y (..., nk, d)`,
+    weights `(..., nq)`, `(..., nk)` or None."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    x_weight: torch.Tensor | None = None
+    y_weight: torch.Tensor | None = None
+    factor: float = 1.0
+
+    def rows(self, rows: slice, cols: slice) -> NearPairs:
+        """The pairs of one tile."""
+        return NearPairs(
+            self.x[..., rows, :],
+            self.y[..., cols, :],
+            None if self.x_weight is None else self.x_weight[..., rows],
+            None if self.y_weight is None else self.y_weight[..., cols],
+            self.factor,
+        )
 
 
 class ScoreTerm(NamedTuple):
@@ -40,12 +67,15 @@ class ScoreTerm(NamedTuple):
     `queries (..., nq, e)` and `keys (..., nk, e)` are augmented witnesses computed once per call;
     `stages` names element-wise functions of `numerics.STAGES`, applied in order (none: the
     product itself); `weight` is a number or a per-head tensor broadcasting as in
-    `Geometry.score`. Forward only: attention kernels recompute gradients through `score`."""
+    `Geometry.score`; `near`, for a product that is a weighted squared distance, says how to
+    recompute its near pairs before the stages. Forward only: attention kernels recompute
+    gradients through `score`."""
 
     queries: torch.Tensor
     keys: torch.Tensor
     stages: tuple[Stage, ...] = ()
     weight: torch.Tensor | float = 1.0
+    near: NearPairs | None = None
 
 
 class DistanceTerm(NamedTuple):
@@ -56,14 +86,16 @@ class DistanceTerm(NamedTuple):
     keys: torch.Tensor
     stages: tuple[Stage, ...]
     factor: torch.Tensor | float = 1.0
+    near: NearPairs | None = None
 
 
 def distance_logit_term(term: DistanceTerm, weight: torch.Tensor, power: int) -> ScoreTerm:
     """The score term `weight * distance^power` of a distance term; `weight` (per head, usually
     `-1/tau` or `-w/tau`) and the distance's factor fold into one multiplication."""
     if power == 1:
-        return ScoreTerm(term.queries, term.keys, term.stages, weight * term.factor)
-    return ScoreTerm(term.queries, term.keys, (*term.stages, "square"), weight * term.factor**2)
+        return ScoreTerm(term.queries, term.keys, term.stages, weight * term.factor, term.near)
+    stages = (*term.stages, "square")
+    return ScoreTerm(term.queries, term.keys, stages, weight * term.factor**2, term.near)
 
 
 def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:

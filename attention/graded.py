@@ -84,7 +84,7 @@ class Graded(Geometry):
         rows = heads if variant == "multi_head" else 1
         initial = torch.zeros(rows, dim)
         if grades is not None:
-            given = torch.as_tensor(grades, dtype=torch.float32)
+            given = torch.as_tensor(grades, dtype=torch.get_default_dtype())
             if given.numel() not in (1, dim, rows * dim):
                 raise ValueError(
                     f"expected 1, {dim} or {rows * dim} initial grades for variant "

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from .geometry import DistanceGeometry, DistanceTerm, Lift, Role, check_role
-from .numerics import safe_norm, safe_sqrt
+from .geometry import DistanceGeometry, DistanceTerm, Lift, NearPairs, Role, check_role
+from .numerics import refine_near_pairs, safe_norm, safe_sqrt
 
 NORM_EPS = 1e-12
 
@@ -33,7 +33,9 @@ def distance_matrix(
     `2 atan2(||a - b||, ||a + b||)`, with finite gradients and only vectorised kernels."""
     a_aug, b_aug = half_chord_operands(a, b)
     factor = 2.0 if scale is None else 2.0 * scale
-    return _arcsin_of_half_chord(a_aug @ b_aug.transpose(-1, -2)) * factor
+    # The squared half chord is |a - b|^2 / 4 for unit vectors: near pairs are recomputed so.
+    squared = refine_near_pairs(a_aug @ b_aug.transpose(-1, -2), a, b, factor=0.25)
+    return _arcsin_of_half_chord(squared) * factor
 
 
 def half_chord_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +47,8 @@ def half_chord_operands(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
 
 def distance_term(a: torch.Tensor, b: torch.Tensor) -> DistanceTerm:
     """`distance_matrix(a, b)` in product form."""
-    return DistanceTerm(*half_chord_operands(a, b), ("arcsin_of_root",), 2.0)
+    near = NearPairs(a, b, factor=0.25)
+    return DistanceTerm(*half_chord_operands(a, b), ("arcsin_of_root",), 2.0, near)
 
 
 def _arcsin_of_half_chord(squared_half_chord: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from .geometry import (
     DistanceGeometry,
     DistanceTerm,
     Lift,
+    NearPairs,
     Role,
     TemperatureKind,
     check_role,
@@ -31,6 +32,7 @@ from .numerics import (
     artanh_eps,
     boundary_eps,
     gram_operands,
+    refine_near_pairs,
     safe_norm,
     safe_sqrt,
     tiny,
@@ -138,7 +140,7 @@ def mobius_add(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> torch.Tenso
 
 
 def project(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Clip norms to (1 - eps)/sqrt(-k) where k < 0 (eps 4e-3 float32, 1e-5 float64); identity
+    """Clip norms to (1 - eps)/sqrt(-k) where k < 0 (eps 1e-5, `numerics.boundary_eps`); identity
     where k >= 0."""
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
     norm = safe_norm(x, keepdim=True)
@@ -190,8 +192,21 @@ def distance_matrix(
     against the `(..., n, m)` result (per head: `(H, 1, 1)`)."""
     k = torch.as_tensor(k, dtype=x.dtype, device=x.device)
     sign = _fixed_sign(k)
-    x_aug, y_aug = _weighted_chord_operands(x, y, k, sign)
-    return _distance_from_weighted_chord(x_aug @ y_aug.transpose(-1, -2), k, sign, scale)
+    weights = _chord_weights(x, y, k, sign)
+    x_aug, y_aug = gram_operands(x, y, *weights)
+    chord = refine_near_pairs(x_aug @ y_aug.transpose(-1, -2), x, y, *weights)
+    return _distance_from_weighted_chord(chord, k, sign, scale)
+
+
+def _chord_weights(
+    x: torch.Tensor, y: torch.Tensor, k: torch.Tensor, sign: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row and column weights `(..., n)`, `(..., m)` of the squared distances whose products are
+    `_chord_weight(k, sign)` times the squared conformal chords."""
+    row_k = _as_column(k)
+    x_weight = _conformal_factor(x, row_k).square()
+    y_weight = _conformal_factor(y, row_k).square() * _chord_weight(row_k, sign)
+    return x_weight, y_weight
 
 
 def _weighted_chord_operands(
@@ -199,10 +214,7 @@ def _weighted_chord_operands(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Augmented vectors whose inner products are `_chord_weight(k, sign)` times the squared
     conformal chords."""
-    row_k = _as_column(k)
-    x_weight = _conformal_factor(x, row_k).square()
-    y_weight = _conformal_factor(y, row_k).square() * _chord_weight(row_k, sign)
-    return gram_operands(x, y, x_weight, y_weight)
+    return gram_operands(x, y, *_chord_weights(x, y, k, sign))
 
 
 def distance_term(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> DistanceTerm | None:
@@ -213,12 +225,14 @@ def distance_term(x: torch.Tensor, y: torch.Tensor, k: torch.Tensor) -> Distance
     sign = _fixed_sign(k)
     if sign == 0 and ((k.requires_grad and torch.is_grad_enabled()) or bool((k != 0).any())):
         return None
-    operands = _weighted_chord_operands(x, y, k, sign)
+    weights = _chord_weights(x, y, k, sign)
+    operands = gram_operands(x, y, *weights)
+    near = NearPairs(x, y, *weights)
     if sign < 0:
-        return DistanceTerm(*operands, ("acosh1p",), 1 / (-k).sqrt())
+        return DistanceTerm(*operands, ("acosh1p",), 1 / (-k).sqrt(), near)
     if sign > 0:
-        return DistanceTerm(*operands, ("arcsin_of_root",), 2 / k.sqrt())
-    return DistanceTerm(*operands, ("sqrt",), 2.0)
+        return DistanceTerm(*operands, ("arcsin_of_root",), 2 / k.sqrt(), near)
+    return DistanceTerm(*operands, ("sqrt",), 2.0, near)
 
 
 def distance_from_squared_chord(
@@ -301,7 +315,7 @@ and lifts overflow."""
 
 
 def _curvature_tensor(kappa: float | Sequence[float] | torch.Tensor, heads: int) -> torch.Tensor:
-    value = torch.as_tensor(kappa, dtype=torch.float32).flatten()
+    value = torch.as_tensor(kappa, dtype=torch.get_default_dtype()).flatten()
     if not bool(torch.isfinite(value).all()) or bool((value.abs() > MAX_CURVATURE).any()):
         raise ValueError(
             f"kappa: expected finite curvatures with |kappa| <= {MAX_CURVATURE:g}, got {kappa!r}"

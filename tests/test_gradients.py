@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rewa.attention import KappaStereographic, dense_attention, stereographic
+from rewa.attention.numerics import boundary_eps
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
 
@@ -59,7 +60,7 @@ def test_gradients_at_the_projection_boundary(kappa, dtype):
     far = torch.randn(8, 5, dtype=dtype) * 10 / math.sqrt(-kappa)
     x = leaf(far)
     on_boundary = stereographic.project(x, k)
-    limit = (1 - (4e-3 if dtype == torch.float32 else 1e-5)) / math.sqrt(-kappa)
+    limit = (1 - boundary_eps(dtype)) / math.sqrt(-kappa)
     torch.testing.assert_close(
         on_boundary.norm(dim=-1), torch.full((8,), limit, dtype=dtype), rtol=1e-5, atol=0
     )
