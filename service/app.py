@@ -10,16 +10,19 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers, MutableHeaders
 
-from .auth import namespaces_for
+from .auth import Authentication, namespaces_for
 from .batcher import Batcher
 from .embedded_store import EmbeddedStore
 from .engine import Engine, resolve_device
-from .errors import ApiError, error_response, install_error_handlers
+from .errors import ApiError, error_response, install_error_handlers, logger
 from .metrics import Metrics
 from .redis_store import RedisStore
 from .routes import router
+from .schemas import ErrorBody
 from .settings import Settings
 from .store import ContextStore, StoreUnavailable
 
@@ -54,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         max_queries=settings.batch_max_queries,
         max_wait_ms=settings.batch_max_wait_ms,
         queue_size=settings.queue_size,
+        max_queue_wait_s=settings.max_queue_wait_s,
         metrics=metrics,
     )
 
@@ -63,7 +67,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         await batcher.stop()
 
-    app = FastAPI(
+    # /docs and /redoc with their scripts served by the service itself (no CDN: it works offline).
+    app = FastAPIOffline(
         title="rewa",
         summary="Long-context sparse retrieval attention over geometric witness spaces",
         version="0.1.0",
@@ -74,15 +79,55 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.batcher = batcher
     app.state.metrics = metrics
-    app.state.namespaces = namespaces_for(settings.api_key_list())
+    namespaces = namespaces_for(settings.api_key_list())
     install_error_handlers(app)
     app.include_router(router)
     _install_probes(app, store, engine, metrics)
-    # The last added runs first: body limit, content type, then metrics around the routes.
+    _document_only_real_errors(app, authenticated=bool(namespaces))
+    # The last added runs first: authentication, body guard, content type, metrics, then
+    # unexpected errors right around the routes.
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(RequestMetrics, metrics=metrics)
     app.add_middleware(ContentTypeCheck)
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(
+        BodyGuard,
+        limit=settings.max_body_bytes,
+        timeout=settings.body_timeout_s,
+        idle_timeout=settings.body_idle_timeout_s,
+    )
+    app.add_middleware(Authentication, keys=namespaces)
     return app
+
+
+def _document_only_real_errors(app: FastAPI, authenticated: bool) -> None:
+    """FastAPI lists a 422 with its own `HTTPValidationError` schema under every route with a
+    parameter, even where no 422 can happen and although the service answers 422 in its own
+    error shape. The routes declare their real errors (`routes.errors`); those default entries
+    are removed from the OpenAPI document. Without API keys (an open service) the Bearer scheme
+    and the 401s are removed too."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = generate()
+            for operations in document["paths"].values():
+                for operation in operations.values():
+                    response = operation.get("responses", {}).get("422", {})
+                    schema = response.get("content", {}).get("application/json", {}).get("schema")
+                    if schema == {"$ref": "#/components/schemas/HTTPValidationError"}:
+                        del operation["responses"]["422"]
+                    if not authenticated:
+                        operation.pop("security", None)
+                        operation.get("responses", {}).pop("401", None)
+            schemas = document.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            if not authenticated:
+                document.get("components", {}).pop("securitySchemes", None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def _install_probes(app: FastAPI, store: ContextStore, engine: Engine, metrics: Metrics):
@@ -91,7 +136,7 @@ def _install_probes(app: FastAPI, store: ContextStore, engine: Engine, metrics: 
         """The process is up."""
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["probes"])
+    @app.get("/readyz", tags=["probes"], responses={503: {"model": ErrorBody}})
     async def readyz() -> JSONResponse:
         """The store is reachable and the device usable."""
         try:
@@ -100,7 +145,12 @@ def _install_probes(app: FastAPI, store: ContextStore, engine: Engine, metrics: 
             return error_response(ApiError(503, str(error)))
         return JSONResponse({"status": "ready", "device": str(engine.device)})
 
-    @app.get("/metrics", tags=["probes"])
+    @app.get(
+        "/metrics",
+        tags=["probes"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+    )
     async def prometheus() -> Response:
         """Prometheus metrics."""
         metrics.cached_bytes.set(engine.cached_bytes())
@@ -165,13 +215,18 @@ class ContentTypeCheck:
         return await self.app(scope, receive, send)
 
 
-class BodyLimit:
-    """413 for request bodies over `limit` bytes: at once from Content-Length, or while
-    reading a body sent without one (it is buffered up to the limit)."""
+class BodyGuard:
+    """Reads the whole request body before the routes see it, bounded in size and time: 413 for
+    a body over `limit` bytes (at once from Content-Length, or while reading a body sent
+    without one), 408 for a body that stalls `idle_timeout` seconds or is not complete within
+    `timeout` seconds (slow senders cannot hold a request open). The routes then read the
+    buffered body."""
 
-    def __init__(self, app, limit: int) -> None:
+    def __init__(self, app, limit: int, timeout: float, idle_timeout: float) -> None:
         self.app = app
         self.limit = limit
+        self.timeout = timeout
+        self.idle_timeout = idle_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -179,15 +234,27 @@ class BodyLimit:
         too_large = ApiError(
             413, f"the request body exceeds {self.limit} bytes (REWA_MAX_BODY_BYTES)", "body"
         )
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            if not length.isdigit() or int(length) > self.limit:
-                return await error_response(too_large)(scope, receive, send)
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            return await error_response(too_large)(scope, receive, send)
+        if length in (None, "0") and "transfer-encoding" not in headers:
             return await self.app(scope, receive, send)
         messages, total = [], 0
+        deadline = time.monotonic() + self.timeout
         while True:
-            message = await receive()
+            wait = min(self.idle_timeout, deadline - time.monotonic())
+            try:
+                message = await asyncio.wait_for(receive(), max(wait, 0))
+            except TimeoutError:
+                stalled = ApiError(
+                    408,
+                    f"the request body did not arrive in time (REWA_BODY_TIMEOUT_S "
+                    f"{self.timeout:g} s, REWA_BODY_IDLE_TIMEOUT_S {self.idle_timeout:g} s)",
+                    "body",
+                    headers={"Connection": "close"},
+                )
+                return await error_response(stalled)(scope, receive, send)
             messages.append(message)
             if message["type"] != "http.request":
                 break
@@ -201,3 +268,32 @@ class BodyLimit:
             return messages.pop(0) if messages else await receive()
 
         return await self.app(scope, replay, send)
+
+
+class UnexpectedErrors:
+    """A 500 in the one error shape for an exception no handler knows (a bug). Unlike an
+    `exception_handler(Exception)`, which Starlette runs in its outermost middleware and then
+    re-raises so that the server drops the connection, this answers and returns: the client's
+    keep-alive connection survives."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as error:
+            logger.exception("unhandled error")
+            if started:  # too late for a clean answer: let the server close the connection
+                raise
+            failure = ApiError(500, f"internal error: {type(error).__name__}")
+            await error_response(failure)(scope, receive, send)

@@ -7,13 +7,22 @@ with the same parameters) into one call of at most `max_queries` queries, runs t
 after another on the worker, and hands each job its slice of the result. While a call runs,
 new jobs queue up and merge into the next one, so batches grow with load.
 
-Admission is bounded: with `queue_size` jobs queued or running, `submit` raises `Overloaded`
-(the routes answer 429 with Retry-After)."""
+Admission is bounded twice, so that a burst is answered at once rather than queued for tens of
+seconds:
+- by count: with `queue_size` jobs waiting or running, `submit` raises `Overloaded` at once;
+- by time: a job that has not started within `max_queue_wait_s` is withdrawn from the queue
+  and `submit` raises `Overloaded` (it never runs later; a job that has started is always
+  finished).
+The routes answer both with 429 and `Retry-After`. Each job records its queue wait and its
+compute time (`Job.queue_seconds`, `Job.compute_seconds`; metrics and the `Server-Timing`
+header)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -21,9 +30,17 @@ from typing import Any
 
 import torch
 
+RETRY_AFTER_MAX_S = 60
+
 
 class Overloaded(Exception):
-    """The queue is full."""
+    """The job was refused (queue full) or withdrawn (not started in time); `retry_after` is
+    the whole number of seconds after which the queue is expected to have room."""
+
+    def __init__(self, reason: str, retry_after: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -38,6 +55,22 @@ class Job:
     run: Callable[[list[Job]], Any]
     split_dim: int = 1
     future: asyncio.Future = field(default=None)  # type: ignore[assignment]
+    queued_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def queue_seconds(self) -> float:
+        """Time between submission and the start of its device call (so far, if waiting)."""
+        end = self.started_at if self.started_at is not None else time.perf_counter()
+        return end - self.queued_at
+
+    @property
+    def compute_seconds(self) -> float:
+        """Time of the device call that computed it (0 before it finished)."""
+        if self.started_at is None or self.finished_at is None:
+            return 0.0
+        return self.finished_at - self.started_at
 
 
 class Batcher:
@@ -48,17 +81,26 @@ class Batcher:
         max_queries: int,
         max_wait_ms: float,
         queue_size: int,
+        max_queue_wait_s: float = math.inf,
         metrics=None,
     ) -> None:
         self.batching = batching
         self.max_queries = max_queries
         self.max_wait = max_wait_ms / 1000
         self.queue_size = queue_size
+        self.max_queue_wait_s = max_queue_wait_s
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-device")
         self._queue: asyncio.Queue[Job] | None = None
         self._task: asyncio.Task | None = None
-        self.pending = 0
+        self.waiting = 0
+        self.running = 0
+        self._call_seconds = 0.0  # moving average of one device call
+
+    @property
+    def pending(self) -> int:
+        """Jobs waiting or running."""
+        return self.waiting + self.running
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -75,26 +117,46 @@ class Batcher:
         """Run `fn()` alone on the worker (admission-bounded like every job)."""
         return await self.submit(Job(key=None, payload=None, size=1, run=lambda _: fn()))
 
+    def retry_after(self) -> int:
+        """Seconds until the jobs now waiting are expected to have run (at least 1)."""
+        expected = self._call_seconds * (self.waiting + 1)
+        return int(min(max(1, math.ceil(expected)), RETRY_AFTER_MAX_S))
+
     async def submit(self, job: Job) -> Any:
         if self._queue is None:
             raise RuntimeError("Batcher.start() was not awaited")
         if self.pending >= self.queue_size:
-            if self.metrics is not None:
-                self.metrics.rejected.inc()
-            raise Overloaded
+            self._refuse("queue_full")
         job.future = asyncio.get_running_loop().create_future()
-        self.pending += 1
+        job.queued_at = time.perf_counter()
+        self.waiting += 1
         self._gauge()
+        self._queue.put_nowait(job)
+        bound = None if math.isinf(self.max_queue_wait_s) else self.max_queue_wait_s
         try:
-            self._queue.put_nowait(job)
-            return await job.future
+            try:
+                return await asyncio.wait_for(asyncio.shield(job.future), bound)
+            except TimeoutError:
+                if job.started_at is not None:  # started in time: finish it
+                    return await job.future
+                self._refuse("wait_timeout")
         finally:
-            self.pending -= 1
-            self._gauge()
+            if job.started_at is None:  # withdrawn, cancelled by its client, or failed to run
+                self.waiting -= 1
+                self._gauge()
+                if not job.future.done():
+                    job.future.cancel()  # the dispatcher skips it
+
+    def _refuse(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(reason).inc()
+        raise Overloaded(reason, self.retry_after())
 
     def _gauge(self) -> None:
         if self.metrics is not None:
             self.metrics.queue_depth.set(self.pending)
+            self.metrics.jobs_waiting.set(self.waiting)
+            self.metrics.jobs_running.set(self.running)
 
     async def _dispatch(self) -> None:
         assert self._queue is not None
@@ -106,17 +168,40 @@ class Batcher:
             while not self._queue.empty():
                 jobs.append(self._queue.get_nowait())
             for batch in self._batches(jobs):
-                batch = [job for job in batch if not job.future.done()]  # cancelled clients
+                batch = [job for job in batch if not job.future.done()]  # withdrawn or cancelled
                 if not batch:
                     continue
-                try:
-                    result = await loop.run_in_executor(self.executor, batch[0].run, batch)
-                except Exception as error:  # the jobs' own failure, reported to each of them
-                    for job in batch:
-                        if not job.future.done():
-                            job.future.set_exception(error)
-                    continue
-                self._deliver(batch, result)
+                await self._run(loop, batch)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
+        started = time.perf_counter()
+        for job in batch:
+            job.started_at = started
+        self.waiting -= len(batch)
+        self.running += len(batch)
+        self._gauge()
+        try:
+            result = await loop.run_in_executor(self.executor, batch[0].run, batch)
+        except Exception as error:  # the jobs' own failure, reported to each of them
+            self._finished(batch, started)
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(error)
+            return
+        self._finished(batch, started)
+        self._deliver(batch, result)
+
+    def _finished(self, batch: list[Job], started: float) -> None:
+        """Times and counts of a device call that has returned."""
+        finished = time.perf_counter()
+        self.running -= len(batch)
+        self._gauge()
+        self._call_seconds = 0.8 * self._call_seconds + 0.2 * (finished - started)
+        for job in batch:
+            job.finished_at = finished
+            if self.metrics is not None:
+                self.metrics.queue_wait.observe(job.queue_seconds)
+                self.metrics.compute.observe(job.compute_seconds)
 
     def _batches(self, jobs: list[Job]) -> list[list[Job]]:
         """Jobs in arrival order, merged per key up to `max_queries` when batching."""

@@ -4,7 +4,7 @@
 message naming what was expected and what arrived, and the offending field (`param`, a dotted
 path, or null). The handlers installed by `install_error_handlers` turn it, FastAPI's request
 validation errors and Starlette's HTTP errors into that shape; anything else is a 500, which
-on client input is a bug."""
+on client input is a bug (`app.UnexpectedErrors` answers it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger("rewa.service")
 
@@ -22,6 +23,7 @@ STATUS_TYPES = {
     401: "unauthorized",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     409: "conflict",
     413: "payload_too_large",
     415: "unsupported_media_type",
@@ -84,6 +86,22 @@ def validation_error(errors: list[dict]) -> ApiError:
     return ApiError(422, message, param)
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route accepts at the request's path (Starlette's own 405 names only
+    the first route that matched the path, e.g. POST where GET is accepted too)."""
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] is Match.FULL
+            for route in request.app.router.routes
+        )
+    ]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -94,10 +112,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(ApiError(error.status_code, str(error.detail)))
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(ApiError(500, f"internal error: {type(error).__name__}"))
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        headers = dict(error.headers or {})
+        if error.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request))
+        return error_response(ApiError(error.status_code, str(error.detail), headers=headers))

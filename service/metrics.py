@@ -31,6 +31,24 @@ class Metrics:
         self.queue_depth = Gauge(
             "rewa_queue_depth", "requests queued or running on the device", registry=self.registry
         )
+        self.jobs_waiting = Gauge(
+            "rewa_jobs_waiting", "requests waiting for the device", registry=self.registry
+        )
+        self.jobs_running = Gauge(
+            "rewa_jobs_running", "requests in the device call now running", registry=self.registry
+        )
+        self.queue_wait = Histogram(
+            "rewa_queue_wait_seconds",
+            "time from admission to the start of the request's device call",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.compute = Histogram(
+            "rewa_compute_seconds",
+            "time of the device call that computed the request",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.batch_requests = Histogram(
             "rewa_batch_requests",
             "requests merged into one device call",
@@ -57,7 +75,11 @@ class Metrics:
             registry=self.registry,
         )
         self.rejected = Counter(
-            "rewa_rejected", "requests refused with 429 (queue full)", registry=self.registry
+            "rewa_rejected",
+            "requests refused with 429: queue_full (REWA_QUEUE_SIZE), wait_timeout "
+            "(not started within REWA_MAX_QUEUE_WAIT_S)",
+            ["reason"],
+            registry=self.registry,
         )
 
     def count(self, name: str) -> None:

@@ -7,14 +7,16 @@ worker."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 from typing import Any
 
 import torch
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ValidationError
 
-from rewa.attention import GEOMETRIES, Geometry
+from rewa.attention import GEOMETRIES, DomainError, Geometry
 from rewa.index import CompositeLSH, IndexSettings
 from rewa.index.retrieval import empty_index
 
@@ -30,6 +32,7 @@ from .schemas import (
     ContextCreate,
     ContextInfo,
     ContextList,
+    ErrorBody,
     SearchRequest,
     SearchResponse,
     SelfAttentionRequest,
@@ -40,11 +43,56 @@ from .schemas import (
 )
 from .store import NotFound, StoreUnavailable, TooLarge, new_id
 
-router = APIRouter(prefix="/v1")
+# Operation ids are the route functions' names (the OpenAPI links below refer to them).
+router = APIRouter(prefix="/v1", generate_unique_id_function=lambda route: route.name)
 OCTET_STREAM = "application/octet-stream"
 
 
 Namespace = Depends(namespace_of)
+
+ERROR_DESCRIPTIONS = {
+    400: "a parameter or tensor is invalid (the message names it)",
+    401: "missing or unknown API key (only when REWA_API_KEYS is set)",
+    404: "no such context or upload in the caller's namespace",
+    408: "the request body stalled (REWA_BODY_TIMEOUT_S, REWA_BODY_IDLE_TIMEOUT_S)",
+    409: "the context has no committed tokens yet",
+    413: "over a size limit (REWA_MAX_BODY_BYTES, REWA_MAX_TOKENS_PER_CONTEXT, ...)",
+    415: "the body is not JSON (or, for chunks, raw bytes)",
+    422: "the body does not match the schema",
+    429: "the device queue is full or the request could not start in time; see Retry-After",
+    503: "the store is unreachable; see Retry-After",
+}
+STORE, BODY = (401, 503), (400, 408, 413, 415, 422)
+
+
+REF = "#/components/schemas/{model}"
+
+
+def _component_refs(schema: dict) -> dict:
+    """A model's JSON schema whose nested models are referenced from the document's components
+    (where FastAPI already put them), without a local `$defs`."""
+    return {key: value for key, value in schema.items() if key != "$defs"}
+
+
+def links(status: int, parameters: dict[str, str], *operations: str) -> dict[int, dict]:
+    """OpenAPI links from a response's fields to the operations that take them (clients and
+    stateful API testers follow them)."""
+    return {
+        status: {
+            "links": {
+                operation: {"operationId": operation, "parameters": parameters}
+                for operation in operations
+            }
+        }
+    }
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the error statuses a route returns, each with `ErrorBody`."""
+    return {
+        status: {"model": ErrorBody, "description": ERROR_DESCRIPTIONS[status]}
+        for status in sorted(set(statuses))
+    }
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -63,19 +111,32 @@ async def _store(request: Request, method: str, *args) -> Any:
         raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
 
 
-async def _compute(request: Request, job: Job) -> Any:
+async def _compute(request: Request, response: Response, job: Job) -> Any:
+    """Run a job on the device worker; its queue wait and compute time go into `Server-Timing`."""
     try:
-        return await request.app.state.batcher.submit(job)
-    except Overloaded:
+        result = await request.app.state.batcher.submit(job)
+    except Overloaded as error:
+        why = (
+            "the device queue is full (REWA_QUEUE_SIZE)"
+            if error.reason == "queue_full"
+            else "the request could not start within REWA_MAX_QUEUE_WAIT_S"
+        )
         raise ApiError(
             429,
-            "the device queue is full; retry after the time in Retry-After",
-            headers={"Retry-After": "1"},
+            f"{why}; retry after the seconds in Retry-After",
+            headers={"Retry-After": str(error.retry_after)},
         ) from None
     except StoreUnavailable as error:
         raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
     except NotFound as error:
         raise ApiError(404, str(error), "context_id") from None
+    except DomainError as error:  # the request's or the context's vectors overflow its geometry
+        raise ApiError(400, str(error)) from None
+    response.headers.append(
+        "Server-Timing",
+        f"queue;dur={job.queue_seconds * 1000:.1f}, compute;dur={job.compute_seconds * 1000:.1f}",
+    )
+    return result
 
 
 def _info(record: dict) -> ContextInfo:
@@ -165,11 +226,47 @@ async def _committed(request: Request, namespace: str, context_id: str) -> dict:
 
 
 def check_geometry(spec: dict, head_dim: int, param: str = "geometry") -> Geometry:
-    """The geometry of a request's spec; any failure to build it is a 400 naming the field."""
+    """The geometry of a request's spec; any failure to build it, or options under which it
+    maps ordinary vectors to non-finite witnesses, logits or lifts (a temperature of 1e-300, a
+    cone radius of 1e9), is a 400 naming the field. Such options once passed creation and
+    failed later, in the index build (a FAISS exception ended the process)."""
     try:
-        return geometry_of(spec, head_dim)
-    except (TypeError, ValueError, RuntimeError) as error:
+        geometry = geometry_of(spec, head_dim)
+        problem = _probe(json.dumps(spec, sort_keys=True), head_dim)
+    except Exception as error:  # any failure on client-chosen options is the client's 400
         raise ApiError(400, f"{param}: {error}", param) from None
+    if problem:
+        raise ApiError(400, f"{param}: these options give {problem}", param)
+    return geometry
+
+
+PROBE_SCALES = (0.0, 0.1, 1.0, 10.0)
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(spec: str, head_dim: int) -> str | None:
+    """What goes wrong when the geometry of a spec (JSON) scores and lifts random vectors of
+    norms 0 to ~30 (None: nothing). It takes 1-7 ms, so results are kept per spec: a client
+    sending stateless requests with one geometry pays once."""
+    geometry = geometry_of(json.loads(spec), head_dim)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for scale in PROBE_SCALES:
+            x = torch.randn(1, 8, head_dim, generator=generator) * scale
+            norm = f"input norm ~{scale * head_dim**0.5:.3g}"
+            witnesses = geometry.witness(x)
+            if not bool(torch.isfinite(witnesses).all()):
+                return f"non-finite witnesses at {norm}"
+            if not bool(torch.isfinite(geometry.score(witnesses, witnesses)).all()):
+                return f"non-finite logits at {norm}"
+            if geometry.exact_lift:
+                roles = ("query", "key")
+                coordinates = [lift.vectors for r in roles for lift in geometry.lift(witnesses, r)]
+            else:
+                coordinates = [geometry.band_coordinate(witnesses)]
+            if any(t is not None and not bool(torch.isfinite(t).all()) for t in coordinates):
+                return f"non-finite index coordinates at {norm}"
+    return None
 
 
 def check_value_dim(geometry: Geometry, value_dim: int, param: str) -> None:
@@ -210,7 +307,25 @@ def _check_index_options(geometry: Geometry, kind: str, options: dict) -> None:
 # -- contexts ---------------------------------------------------------------------------------
 
 
-@router.post("/contexts", status_code=201, response_model=ContextInfo, tags=["contexts"])
+@router.post(
+    "/contexts",
+    status_code=201,
+    response_model=ContextInfo,
+    tags=["contexts"],
+    responses={
+        **errors(*STORE, *BODY),
+        **links(
+            201,
+            {"context_id": "$response.body#/id"},
+            "get_context",
+            "delete_context",
+            "begin_upload",
+            "attend",
+            "search",
+            "self_attention",
+        ),
+    },
+)
 async def create_context(body: ContextCreate, request: Request, namespace: str = Namespace):
     """Create an empty context (no tokens, version 0)."""
     geometry = check_geometry(body.geometry.model_dump(), body.head_dim)
@@ -230,18 +345,23 @@ async def create_context(body: ContextCreate, request: Request, namespace: str =
     return _info(await _store(request, "create", namespace, info))
 
 
-@router.get("/contexts", response_model=ContextList, tags=["contexts"])
+@router.get("/contexts", response_model=ContextList, tags=["contexts"], responses=errors(*STORE))
 async def list_contexts(request: Request, namespace: str = Namespace):
     records = await _store(request, "list", namespace)
     return ContextList(contexts=[_info(record) for record in records])
 
 
-@router.get("/contexts/{context_id}", response_model=ContextInfo, tags=["contexts"])
+@router.get(
+    "/contexts/{context_id}",
+    response_model=ContextInfo,
+    tags=["contexts"],
+    responses=errors(*STORE, 404),
+)
 async def get_context(context_id: str, request: Request, namespace: str = Namespace):
     return _info(await _store(request, "get", namespace, context_id))
 
 
-@router.delete("/contexts/{context_id}", tags=["contexts"])
+@router.delete("/contexts/{context_id}", tags=["contexts"], responses=errors(*STORE, 404))
 async def delete_context(context_id: str, request: Request, namespace: str = Namespace):
     await _store(request, "delete", namespace, context_id)
     request.app.state.engine.forget(namespace, context_id)
@@ -261,7 +381,21 @@ def _upload_info(context_id: str, upload_id: str, chunks: list[dict]) -> UploadI
 
 
 @router.post(
-    "/contexts/{context_id}/uploads", status_code=201, response_model=UploadInfo, tags=["uploads"]
+    "/contexts/{context_id}/uploads",
+    status_code=201,
+    response_model=UploadInfo,
+    tags=["uploads"],
+    responses={
+        **errors(*STORE, 404),
+        **links(
+            201,
+            {"context_id": "$response.body#/context_id", "upload_id": "$response.body#/upload_id"},
+            "get_upload",
+            "add_chunk",
+            "commit_upload",
+            "abort_upload",
+        ),
+    },
 )
 async def begin_upload(context_id: str, request: Request, namespace: str = Namespace):
     """Open an upload: chunks appended to it become visible together, at commit."""
@@ -270,7 +404,10 @@ async def begin_upload(context_id: str, request: Request, namespace: str = Names
 
 
 @router.get(
-    "/contexts/{context_id}/uploads/{upload_id}", response_model=UploadInfo, tags=["uploads"]
+    "/contexts/{context_id}/uploads/{upload_id}",
+    response_model=UploadInfo,
+    tags=["uploads"],
+    responses=errors(*STORE, 404),
 )
 async def get_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
     chunks = await _store(request, "upload", namespace, context_id, upload_id)
@@ -281,10 +418,14 @@ async def get_upload(context_id: str, upload_id: str, request: Request, namespac
     "/contexts/{context_id}/uploads/{upload_id}/chunks",
     response_model=UploadInfo,
     tags=["uploads"],
+    responses=errors(*STORE, *BODY, 404),
     openapi_extra={
         "requestBody": {
+            "required": True,
             "content": {
-                "application/json": {"schema": ChunkBody.model_json_schema()},
+                "application/json": {
+                    "schema": _component_refs(ChunkBody.model_json_schema(ref_template=REF))
+                },
                 OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
             },
             "description": "JSON keys and values, or raw bytes: keys (heads, tokens, head_dim) "
@@ -344,6 +485,7 @@ async def add_chunk(
     "/contexts/{context_id}/uploads/{upload_id}/commit",
     response_model=ContextInfo,
     tags=["uploads"],
+    responses=errors(*STORE, 404, 413),
 )
 async def commit_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
     """Append the upload's tokens to the context atomically (version + 1)."""
@@ -352,7 +494,11 @@ async def commit_upload(context_id: str, upload_id: str, request: Request, names
     return _info(record)
 
 
-@router.delete("/contexts/{context_id}/uploads/{upload_id}", tags=["uploads"])
+@router.delete(
+    "/contexts/{context_id}/uploads/{upload_id}",
+    tags=["uploads"],
+    responses=errors(*STORE, 404),
+)
 async def abort_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
     await _store(request, "abort", namespace, context_id, upload_id)
     return {"aborted": upload_id}
@@ -361,9 +507,18 @@ async def abort_upload(context_id: str, upload_id: str, request: Request, namesp
 # -- queries ----------------------------------------------------------------------------------
 
 
-@router.post("/contexts/{context_id}/attend", response_model=AttendResponse, tags=["attention"])
+@router.post(
+    "/contexts/{context_id}/attend",
+    response_model=AttendResponse,
+    tags=["attention"],
+    responses=errors(*STORE, *BODY, 404, 409, 429),
+)
 async def attend(
-    context_id: str, body: AttendRequest, request: Request, namespace: str = Namespace
+    context_id: str,
+    body: AttendRequest,
+    request: Request,
+    response: Response,
+    namespace: str = Namespace,
 ):
     """Attention of queries `(heads, n, head_dim)` over the stored context: `out` `(heads, n,
     value_dim)` and `lse` `(heads, n)`; `mode` exact (dense), topk (sparse over the index's
@@ -381,7 +536,9 @@ async def attend(
 
     key = (namespace, context_id, record["version"], params)
     result = await _compute(
-        request, Job(key=key, payload=queries, size=queries.shape[0] * queries.shape[1], run=run)
+        request,
+        response,
+        Job(key=key, payload=queries, size=queries.shape[0] * queries.shape[1], run=run),
     )
     return AttendResponse(
         out=wire.encode(result["out"]),
@@ -393,9 +550,18 @@ async def attend(
     )
 
 
-@router.post("/contexts/{context_id}/search", response_model=SearchResponse, tags=["attention"])
+@router.post(
+    "/contexts/{context_id}/search",
+    response_model=SearchResponse,
+    tags=["attention"],
+    responses=errors(*STORE, *BODY, 404, 409, 429),
+)
 async def search(
-    context_id: str, body: SearchRequest, request: Request, namespace: str = Namespace
+    context_id: str,
+    body: SearchRequest,
+    request: Request,
+    response: Response,
+    namespace: str = Namespace,
 ):
     """Each query's top K keys: ids, logits and (distance geometries) distances."""
     settings = _settings(request)
@@ -407,7 +573,9 @@ async def search(
     def run(_):
         return engine.search(engine.context(namespace, record), queries, body.k, body.exact)
 
-    result = await _compute(request, Job(key=None, payload=None, size=queries.numel(), run=run))
+    result = await _compute(
+        request, response, Job(key=None, payload=None, size=queries.numel(), run=run)
+    )
     return SearchResponse(
         ids=wire.encode(result["ids"]),
         scores=wire.encode(result["scores"]),
@@ -420,9 +588,14 @@ async def search(
     "/contexts/{context_id}/self-attention",
     response_model=SelfAttentionResponse,
     tags=["attention"],
+    responses=errors(*STORE, *BODY, 404, 409, 429),
 )
 async def self_attention(
-    context_id: str, body: SelfAttentionRequest, request: Request, namespace: str = Namespace
+    context_id: str,
+    body: SelfAttentionRequest,
+    request: Request,
+    response: Response,
+    namespace: str = Namespace,
 ):
     """Rows `[start, end)` of the stored context attend over it (long-document encoding);
     `causal`: row i sees keys up to i."""
@@ -461,7 +634,9 @@ async def self_attention(
         positions = torch.arange(start, end, device=loaded.keys.device)
         return engine.attend(loaded, rows, params, positions=positions, causal=body.causal)
 
-    result = await _compute(request, Job(key=None, payload=None, size=end - start, run=run))
+    result = await _compute(
+        request, response, Job(key=None, payload=None, size=end - start, run=run)
+    )
     return SelfAttentionResponse(
         out=wire.encode(result["out"]),
         lse=wire.encode(result["lse"]),
@@ -472,8 +647,15 @@ async def self_attention(
     )
 
 
-@router.post("/attend", response_model=StatelessAttendResponse, tags=["attention"])
-async def stateless_attend(body: StatelessAttendRequest, request: Request, _=Namespace):
+@router.post(
+    "/attend",
+    response_model=StatelessAttendResponse,
+    tags=["attention"],
+    responses=errors(401, *BODY, 429),
+)
+async def stateless_attend(
+    body: StatelessAttendRequest, request: Request, response: Response, _=Namespace
+):
     """Exact attention over small inline q `(heads, nq, d)`, k `(heads, nk, d)`, v `(heads, nk,
     dv)`; nothing is stored."""
     settings = _settings(request)
@@ -497,5 +679,7 @@ async def stateless_attend(body: StatelessAttendRequest, request: Request, _=Nam
     def run(_):
         return engine.stateless(geometry, q, k, v, body.causal)
 
-    result = await _compute(request, Job(key=None, payload=None, size=q.numel() // d, run=run))
+    result = await _compute(
+        request, response, Job(key=None, payload=None, size=q.numel() // d, run=run)
+    )
     return StatelessAttendResponse(out=wire.encode(result["out"]), lse=wire.encode(result["lse"]))

@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .wire import TensorPayload
+from rewa.attention import GEOMETRIES
+
+from .wire import TensorPayload, integer
 
 Mode = Literal["exact", "topk", "tail"]
 IndexKind = Literal["ivf", "hnsw", "flat", "lsh"]
@@ -15,16 +17,32 @@ ContextDtype = Literal["float32", "float16", "bfloat16"]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A request body: unknown fields are refused, and values are not coerced (`false` is not
+    an integer, `"5"` is not a number; `Integer` fields take 23.0 as JSON Schema does)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="machine-readable kind, e.g. invalid_request, overloaded")
+    message: str = Field(description="what was expected and what arrived")
+    param: str | None = Field(description="the offending field as a dotted path, or null")
+
+
+class ErrorBody(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
 
 
 class GeometrySpec(BaseModel):
     """A geometry of `rewa.attention` by name with its options, e.g.
-    `{"name": "poincare", "curvature": 1.0}` (`rewa.attention.make_geometry`)."""
+    `{"name": "kappa", "kappa": -1.0}` (`rewa.attention.make_geometry`); an unknown name or
+    option is a 400 naming it."""
 
     model_config = ConfigDict(extra="allow")
 
-    name: str
+    name: str = Field(json_schema_extra={"enum": sorted(GEOMETRIES)})
 
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -34,9 +52,9 @@ class IndexSpec(Strict):
     """How the context is searched in `topk` mode, and the defaults of every sparse mode."""
 
     kind: IndexKind = "ivf"
-    k: int = Field(64, ge=1, le=2048, description="keys attended per query in topk mode")
-    window: int = Field(0, ge=0, description="last keys always read (tail and topk)")
-    sinks: int = Field(0, ge=0, description="first keys always read (tail and topk)")
+    k: integer(ge=1, le=2048) = Field(64, description="keys attended per query in topk mode")
+    window: integer(ge=0) = Field(0, description="last keys always read (tail and topk)")
+    sinks: integer(ge=0) = Field(0, description="first keys always read (tail and topk)")
     budget: float = Field(0.02, gt=0, le=1, description="fraction of keys read in tail mode")
     options: dict[str, Any] = Field(
         default_factory=dict, description="IndexSettings fields (FAISS) or CompositeLSH arguments"
@@ -46,9 +64,9 @@ class IndexSpec(Strict):
 class ContextCreate(Strict):
     name: str | None = Field(None, max_length=200)
     geometry: GeometrySpec
-    heads: int = Field(ge=1, le=256)
-    head_dim: int = Field(ge=1, le=4096)
-    value_dim: int | None = Field(None, ge=1, le=4096, description="default: head_dim")
+    heads: integer(ge=1, le=256)
+    head_dim: integer(ge=1, le=4096)
+    value_dim: integer(ge=1, le=4096) | None = Field(None, description="default: head_dim")
     dtype: ContextDtype = "float32"
     index: IndexSpec = Field(default_factory=IndexSpec)
 
@@ -91,12 +109,12 @@ class AttendRequest(Strict):
     queries: TensorPayload = Field(description="(heads, n_queries, head_dim)")
     mode: Mode | None = Field(None, description="default: tail")
     exact: bool = Field(False, description="shorthand for mode=exact")
-    k: int | None = Field(None, ge=1, description="topk mode: keys attended (<= max_k)")
+    k: integer(ge=1) | None = Field(None, description="topk mode: keys attended (<= max_k)")
     budget: float | None = Field(None, gt=0, le=1, description="tail mode: fraction read")
-    window: int | None = Field(None, ge=0)
-    sinks: int | None = Field(None, ge=0)
-    return_topk: int | None = Field(
-        None, ge=1, description="also return each query's best ids and attention weights"
+    window: integer(ge=0) | None = None
+    sinks: integer(ge=0) | None = None
+    return_topk: integer(ge=1) | None = Field(
+        None, description="also return each query's best ids and attention weights"
     )
 
 
@@ -111,7 +129,7 @@ class AttendResponse(BaseModel):
 
 class SearchRequest(Strict):
     queries: TensorPayload
-    k: int = Field(10, ge=1)
+    k: integer(ge=1) = 10
     exact: bool = Field(False, description="exact top-K instead of the context's index")
 
 
@@ -128,15 +146,15 @@ class SelfAttentionRequest(Strict):
     rows are the queries (shared query-key attention). `causal`: row i sees keys `<= i`."""
 
     queries: TensorPayload | None = None
-    start: int = Field(0, ge=0)
-    end: int | None = Field(None, ge=1, description="without queries; default: the end")
+    start: integer(ge=0) = 0
+    end: integer(ge=1) | None = Field(None, description="without queries; default: the end")
     causal: bool = False
     mode: Mode | None = Field(None, description="default: tail, or topk when causal")
     exact: bool = False
-    k: int | None = Field(None, ge=1)
+    k: integer(ge=1) | None = None
     budget: float | None = Field(None, gt=0, le=1)
-    window: int | None = Field(None, ge=0)
-    sinks: int | None = Field(None, ge=0)
+    window: integer(ge=0) | None = None
+    sinks: integer(ge=0) | None = None
 
 
 class SelfAttentionResponse(BaseModel):

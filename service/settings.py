@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     batch_max_queries: int = Field(4096, ge=1, description="queries merged into one call")
     batch_max_wait_ms: float = Field(2.0, ge=0)
     queue_size: int = Field(256, ge=1, description="requests queued or running; then 429")
+    max_queue_wait_s: float = Field(
+        5.0, gt=0, description="a request not started on the device by then gets 429"
+    )
     # Limits.
     max_body_bytes: int = Field(256 * MIB, ge=1024)
     max_tokens_per_context: int = Field(1 << 21, ge=1)
@@ -50,6 +53,17 @@ class Settings(BaseSettings):
     max_stateless_tokens: int = Field(16384, ge=1, description="keys of a stateless request")
     max_self_attention_rows: int = Field(8192, ge=1, description="query rows per request")
     drain_timeout_s: float = Field(30.0, ge=0)
+    # Connections.
+    keep_alive_s: int = Field(5, ge=1, description="idle keep-alive connections are closed")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection without a complete request head is closed"
+    )
+    body_timeout_s: float = Field(
+        120.0, gt=0, description="a request body not received in full by then gets 408"
+    )
+    body_idle_timeout_s: float = Field(
+        10.0, gt=0, description="a request body that stalls this long gets 408"
+    )
 
     def api_key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]

@@ -12,9 +12,12 @@ import base64
 import binascii
 import math
 import sys
+from typing import Annotated, Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from annotated_types import Ge, Le
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import Strict as StrictMode
 
 from .errors import invalid
 
@@ -26,14 +29,36 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is 
     raise ImportError("rewa.service.wire assumes a little-endian machine")
 
 
+def _json_integer(value: Any) -> Any:
+    """JSON Schema's integer: a number without a fraction (23 or 23.0), never a bool or a
+    string."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("expected an integer")
+    return value
+
+
+def integer(ge: int | None = None, le: int | None = None) -> Any:
+    """The type of a JSON integer field, with its bounds (in the annotation, so that they
+    reach the JSON schema as minimum and maximum)."""
+    bounds = [
+        bound
+        for bound in (Ge(ge) if ge is not None else None, Le(le) if le is not None else None)
+        if bound is not None
+    ]
+    return Annotated[int, *bounds, StrictMode(False), BeforeValidator(_json_integer)]
+
+
+Integer = integer()
+
+
 class TensorPayload(BaseModel):
     """A tensor inside JSON."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    dtype: str
-    shape: list[int]
-    data: str
+    dtype: str = Field(json_schema_extra={"enum": sorted(WIRE_DTYPES)})
+    shape: list[Integer] = Field(description="row-major (C order)")
+    data: str = Field(description="base64 of the raw little-endian bytes")
 
 
 def encode(tensor: torch.Tensor) -> dict:

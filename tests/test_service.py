@@ -4,6 +4,9 @@ the OpenAPI document."""
 
 from __future__ import annotations
 
+import re
+import socket
+
 import httpx
 import pytest
 import torch
@@ -264,10 +267,57 @@ def test_probes_metrics_and_docs(server):
         metrics = client.get("/metrics").text
         for name in ("rewa_requests_total", "rewa_queue_depth", "rewa_batch_queries"):
             assert name in metrics
-        assert client.get("/docs").status_code == 200
+        for name in ("rewa_jobs_waiting", "rewa_jobs_running", "rewa_queue_wait_seconds"):
+            assert name in metrics
+        for page in ("/docs", "/redoc"):  # offline: every script and style sheet is ours
+            html = client.get(page).text
+            assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+            assert assets and all(asset.startswith("/") for asset in assets), assets
+            for asset in assets:
+                assert client.get(asset).status_code == 200, asset
         paths = client.get("/openapi.json").json()["paths"]
         assert "/v1/contexts/{context_id}/attend" in paths
         assert "/v1/contexts/{context_id}/uploads/{upload_id}/chunks" in paths
+
+
+def test_the_openapi_document_lists_the_errors_and_the_bearer_scheme(server):
+    keyed = Server(api_keys="alpha").start()
+    try:
+        with keyed.client() as client:
+            document = client.get("/openapi.json").json()
+    finally:
+        keyed.kill()
+    assert document["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    compute = {"400", "401", "404", "408", "409", "413", "415", "422", "429", "503"}
+    expected = {
+        ("post", "/v1/contexts"): {"400", "401", "408", "413", "415", "422", "503"},
+        ("get", "/v1/contexts/{context_id}"): {"401", "404", "503"},
+        ("post", "/v1/contexts/{context_id}/attend"): compute,
+        ("post", "/v1/contexts/{context_id}/search"): compute,
+        ("post", "/v1/contexts/{context_id}/self-attention"): compute,
+        ("post", "/v1/attend"): {"400", "401", "408", "413", "415", "422", "429"},
+    }
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            if not path.startswith("/v1/"):
+                continue
+            assert operation["security"] == [{"HTTPBearer": []}], (method, path)
+            errors = {code for code in operation["responses"] if code >= "400"}
+            assert "401" in errors, (method, path)
+            if (method, path) in expected:
+                assert errors == expected[(method, path)], (method, path)
+            for code in errors:
+                schema = operation["responses"][code]["content"]["application/json"]["schema"]
+                assert schema == error_ref, (method, path, code)
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    # An open service (no REWA_API_KEYS) declares no scheme and no 401.
+    with server.client() as client:
+        open_document = client.get("/openapi.json").json()
+    assert "securitySchemes" not in open_document["components"]
+    for operations in open_document["paths"].values():
+        for operation in operations.values():
+            assert "security" not in operation and "401" not in operation["responses"]
 
 
 def test_api_keys_namespace_contexts():
@@ -314,5 +364,13 @@ def test_the_authorization_header_is_parsed_strictly():
                 server.url + "/v1/contexts", headers={"Authorization": header}, timeout=30
             )
             assert response.status_code == (200 if header in accepted else 401), header
+        # The key is checked before the body is read: a client without one that announces a
+        # large body and sends none is refused at once (not held until the body times out).
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as connection:
+            connection.sendall(
+                b"POST /v1/contexts HTTP/1.1\r\nHost: test\r\nContent-Type: application/json"
+                b"\r\nContent-Length: 100000000\r\n\r\n"
+            )
+            assert connection.recv(4096).startswith(b"HTTP/1.1 401")
     finally:
         server.kill()

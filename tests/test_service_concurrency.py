@@ -1,5 +1,6 @@
 """Concurrency: 32 clients at once get correct results (merged into shared device calls by the
-batcher), a full queue answers 429 with Retry-After, and the batcher's merge and split."""
+batcher), a full queue and a request that cannot start in time answer 429 with Retry-After, and
+the batcher's merge, split and admission."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, tail_attention
 from rewa.service.batcher import Batcher, Job, Overloaded, merged_payload
+from rewa.service.metrics import Metrics
 from tests.service_support import Server, attend, create_context, decode, encode, upload
 
 H, N, D = 2, 4000, 16
@@ -105,7 +107,7 @@ def test_a_full_queue_answers_429_with_retry_after():
             thread.join(120)
         assert statuses.count(429) >= 1 and statuses.count(200) >= 2, statuses
         assert set(statuses) <= {200, 429}
-        assert headers and all(value == "1" for value in headers)
+        assert headers and all(value.isdigit() and int(value) >= 1 for value in headers)
         with server.client() as client:  # the queue drains and admits again
             response = client.post(
                 f"/v1/contexts/{context['id']}/attend",
@@ -114,6 +116,108 @@ def test_a_full_queue_answers_429_with_retry_after():
             assert response.status_code == 200
     finally:
         server.kill()
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_requests_that_cannot_start_in_time_get_429_instead_of_waiting():
+    """A burst of slow requests: each one either starts within REWA_MAX_QUEUE_WAIT_S or is
+    answered 429 at that deadline (before, accepted requests waited up to 40 s); the queue wait
+    and the compute time are reported apart."""
+    limit_s = 0.5
+    server = Server(queue_size=64, batching="false", max_queue_wait_s=limit_s).start()
+    try:
+        with server.client() as client:
+            context = create_context(client, geometry={"name": "poincare"})
+            upload(client, context["id"], torch.randn(H, 8192, D) * 0.1, torch.randn(H, 8192, D))
+        responses = []
+
+        def slow_request():
+            response = httpx.post(
+                f"{server.url}/v1/contexts/{context['id']}/self-attention",
+                json={"start": 0, "end": 4096, "mode": "exact"},
+                timeout=120,
+            )
+            responses.append(response)
+
+        threads = [threading.Thread(target=slow_request) for _ in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        statuses = [response.status_code for response in responses]
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 1, statuses
+        assert set(statuses) <= {200, 429}
+        for response in responses:
+            if response.status_code == 429:
+                assert "REWA_MAX_QUEUE_WAIT_S" in response.json()["error"]["message"]
+                assert int(response.headers["Retry-After"]) >= 1
+                continue
+            timing = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers["Server-Timing"]))
+            assert {"queue", "compute", "total"} <= set(timing)
+            assert float(timing["queue"]) < 3 * limit_s * 1000  # started near the deadline
+            assert float(timing["compute"]) > 0
+        with server.client() as client:
+            metrics = client.get("/metrics").text
+        assert _metric(metrics, 'rewa_rejected_total{reason="wait_timeout"}') == statuses.count(429)
+        assert _metric(metrics, "rewa_queue_wait_seconds_count") >= statuses.count(200)
+        assert _metric(metrics, "rewa_jobs_waiting") == 0
+        assert _metric(metrics, "rewa_jobs_running") == 0
+    finally:
+        server.kill()
+
+
+def test_the_batcher_withdraws_a_job_not_started_in_time_and_finishes_started_ones():
+    release = threading.Event()
+    ran = []
+
+    def blocking(_):
+        release.wait(30)
+        ran.append("blocking")
+        return "blocking"
+
+    def quick(_):
+        ran.append("quick")
+        return "quick"
+
+    async def scenario():
+        metrics = Metrics()
+        batcher = Batcher(
+            batching=False,
+            max_queries=100,
+            max_wait_ms=0,
+            queue_size=10,
+            max_queue_wait_s=0.2,
+            metrics=metrics,
+        )
+        await batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.submit(Job(None, None, 1, blocking)))
+            while batcher.running == 0:
+                await asyncio.sleep(0.01)
+            with pytest.raises(Overloaded) as refused:
+                await batcher.submit(Job(None, None, 1, quick))
+            assert refused.value.reason == "wait_timeout" and refused.value.retry_after >= 1
+            assert (batcher.waiting, batcher.running) == (0, 1)
+            await asyncio.sleep(0.3)  # the started job is past its deadline: it still finishes
+            release.set()
+            assert await first == "blocking"
+            assert await batcher.submit(Job(None, None, 1, quick)) == "quick"
+            return metrics
+        finally:
+            release.set()
+            await batcher.stop()
+
+    metrics = asyncio.run(scenario())
+    assert ran == ["blocking", "quick"]  # the withdrawn job never ran
+    text = metrics.render()[0].decode()
+    assert _metric(text, 'rewa_rejected_total{reason="wait_timeout"}') == 1
+    assert _metric(text, "rewa_compute_seconds_count") == 2
+    assert _metric(text, "rewa_jobs_waiting") == 0 and _metric(text, "rewa_jobs_running") == 0
 
 
 def _jobs(sizes, key="same"):
