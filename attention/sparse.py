@@ -132,10 +132,20 @@ def attend_scored(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over keys already scored: logits and key ids `(B, c, K)` (`-inf` for
     padding; padded ids may be anything in range), values `(B, nk, dv)` -> `(out (B, c, dv),
-    lse (B, c))`; a row with no finite logit gets `(0, -inf)`."""
-    chosen = _gather_rows(values, ids.clamp_min(0))
-    out, lse = softmax_attend(logits.unsqueeze(-2), chosen)
-    return out.squeeze(-2), lse.squeeze(-1)
+    lse (B, c))`; a row with no finite logit gets `(0, -inf)`. Rows go in blocks whose
+    gathered values hold about `DEFAULT_BUDGET` numbers: gathering all at once (131,072
+    queries x 64 keys x 64 dims, 2 GiB) spent 1.9 s of a 6.2 s IVF self-attention in
+    first-touch page faults."""
+    block = max(1, DEFAULT_BUDGET // max(1, ids.shape[-1] * values.shape[-1]))
+    outs, lses = [], []
+    retain_freed_memory()
+    for start in range(0, ids.shape[-2], block):
+        rows = slice(start, start + block)
+        chosen = _gather_rows(values, ids[:, rows].clamp_min(0))
+        out, lse = softmax_attend(logits[:, rows].unsqueeze(-2), chosen)
+        outs.append(out.squeeze(-2))
+        lses.append(lse.squeeze(-1))
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def softmax_attend(logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

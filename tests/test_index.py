@@ -344,3 +344,25 @@ def test_more_ivf_lists_than_keys_are_capped_at_the_keys():
 def test_curvatures_beyond_the_float32_range_are_refused(kappa):
     with pytest.raises(ValueError, match="kappa"):
         make_geometry("kappa", 4, heads=2, kappa=kappa)
+
+
+@pytest.mark.parametrize("name", ["dot", "euclidean", "poincare"])
+def test_best_candidates_in_query_blocks_equals_one_block(name, monkeypatch):
+    """Blocks of queries (bounded gathers) give what one block gives, rows with fewer
+    candidates than k included (-inf / -1 padded)."""
+    from rewa.index import candidates as candidates_module
+
+    g = build_geometry(name, 8)
+    generator = torch.Generator().manual_seed(3)
+    queries_w = g.witness(torch.randn(37, 8, generator=generator))
+    keys_w = g.witness(torch.randn(200, 8, generator=generator))
+    rows = torch.randint(-1, 200, (37, 30), generator=generator)
+    rows[5] = -1  # no candidate at all
+    rows[6] = 7  # one distinct candidate, repeated
+    with torch.no_grad():
+        whole = candidates_module.best_candidates(g, queries_w, keys_w, rows, 10)
+        monkeypatch.setattr(candidates_module, "CHUNK_ELEMENTS", 30 * 8 * 4)  # 4 queries
+        blocked = candidates_module.best_candidates(g, queries_w, keys_w, rows, 10)
+    torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=0)
+    assert torch.equal(blocked[1], whole[1])
+    assert bool((whole[1][5] == -1).all()) and whole[1][6].tolist() == [7] + [-1] * 9

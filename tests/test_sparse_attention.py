@@ -87,3 +87,22 @@ def test_bad_candidates_raise_clear_errors():
         sparse_attention(q, k, v, g, torch.zeros(3, 2), top_k=2)
     with pytest.raises(ValueError, match="top_k"):
         sparse_attention(q, k, v, g, torch.tensor([[0, 1]] * 3), top_k=0)
+
+
+def test_attend_scored_in_row_blocks_equals_one_block(monkeypatch):
+    """Blocks of rows (bounded value gathers) give what one block gives, padded and empty rows
+    included."""
+    from rewa.attention import sparse as sparse_module
+
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randn(2, 50, 6, generator=generator)
+    logits = torch.randn(2, 23, 9, generator=generator)
+    ids = torch.randint(0, 50, (2, 23, 9), generator=generator)
+    logits[0, 3, 4:] = float("-inf")  # padding
+    logits[1, 7] = float("-inf")  # nothing to attend to
+    whole = sparse_module.attend_scored(logits, ids, values)
+    monkeypatch.setattr(sparse_module, "DEFAULT_BUDGET", 9 * 6 * 5)  # 5 rows a block
+    blocked = sparse_module.attend_scored(logits, ids, values)
+    torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=0)
+    torch.testing.assert_close(blocked[1], whole[1], rtol=0, atol=0)
+    assert float(whole[1][1, 7]) == float("-inf") and bool((whole[0][1, 7] == 0).all())
