@@ -120,6 +120,36 @@ def gpu_section(path: Path, records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def admission_section(records: list[dict]) -> str:
+    lines = [
+        "## Admission under a burst",
+        "",
+        "`.venv/bin/python benchmarks/admission.py` (`admission.json`, `admission.png`): "
+        f"{records[0]['clients']} clients",
+        "send one slow request each at once (exact self-attention, 4096 rows over 16384 tokens) to",
+        "`rewa serve` on the CPU, with the default time bound on the queue and without one.",
+        "Target: no accepted request waits much beyond `REWA_MAX_QUEUE_WAIT_S`; the others are",
+        "answered 429 at that deadline instead of after tens of seconds.",
+        "",
+        "| REWA_MAX_QUEUE_WAIT_S | accepted | 429 | queue wait p50 / max | latency p50 / max"
+        " (accepted) | latest 429 | compute p50 |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        bound = "none" if r["max_queue_wait_s"] is None else f"{r['max_queue_wait_s']:g} s"
+        refused = (
+            "-"
+            if r["refused_latency_max_ms"] is None
+            else f"{r['refused_latency_max_ms'] / 1e3:.1f} s"
+        )
+        lines.append(
+            f"| {bound} | {r['accepted']} | {r['refused']} | {r['queue_p50_ms'] / 1e3:.1f} / "
+            f"{r['queue_max_ms'] / 1e3:.1f} s | {r['latency_p50_ms'] / 1e3:.1f} / "
+            f"{r['latency_max_ms'] / 1e3:.1f} s | {refused} | {r['compute_p50_ms']:.0f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     sections = [HEADER]
     dense = RESULTS / "dense.json"
@@ -127,6 +157,9 @@ def render() -> str:
         sections.append(dense_section(json.loads(dense.read_text())))
     for path in sorted(RESULTS.glob("gpu-*.json")):
         sections.append(gpu_section(path, json.loads(path.read_text())))
+    admission = RESULTS / "admission.json"
+    if admission.exists():
+        sections.append(admission_section(json.loads(admission.read_text())))
     return "\n".join(sections)
 
 

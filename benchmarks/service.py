@@ -50,8 +50,12 @@ def free_port() -> int:
 
 
 def start_server(
-    data_dir: str, batching: bool, sparse_threads: int | None = None
+    data_dir: str,
+    batching: bool,
+    sparse_threads: int | None = None,
+    settings: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, str]:
+    """A `rewa serve` process over `data_dir`; `settings`: more `REWA_*` variables."""
     port = free_port()
     env = {
         **os.environ,
@@ -59,6 +63,7 @@ def start_server(
         "REWA_DATA_DIR": data_dir,
         "REWA_BATCHING": "true" if batching else "false",
         "REWA_QUEUE_SIZE": "1024",
+        **(settings or {}),
     }
     if sparse_threads is not None:
         env["REWA_SPARSE_THREADS"] = str(sparse_threads)

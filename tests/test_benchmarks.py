@@ -157,6 +157,18 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     assert (tmp_path / "service.png").stat().st_size > 10_000
 
 
+def test_admission_benchmark_writes_records_and_a_plot(tmp_path):
+    records = run_benchmark("admission", tmp_path, "--clients", "3")
+    assert [r["max_queue_wait_s"] for r in records] == [5.0, None]
+    for record in records:
+        assert record["clients"] == 3 and record["accepted"] + record["refused"] == 3
+        assert set(record["statuses"]) <= {200, 429} and len(record["latencies_ms"]) == 3
+        assert 0 <= record["queue_p50_ms"] <= record["queue_max_ms"]
+        assert record["compute_p50_ms"] > 0
+    assert records[1]["refused"] == 0  # without a time bound, 3 requests all wait and run
+    assert (tmp_path / "admission.png").stat().st_size > 10_000
+
+
 def test_the_benchmark_page_is_generated_from_the_committed_results():
     from benchmarks import report
 
