@@ -49,6 +49,11 @@ class BandedIndex:
             part.add(keys_w[ids])
             self.parts.append(part)
 
+    def extend(self, keys_w: torch.Tensor) -> None:
+        """Index the witnesses of the grown context: rebuilt, since equal-count bands move
+        with every new key."""
+        self.add(keys_w)
+
     def candidates(self, queries_w: torch.Tensor, k: int) -> torch.Tensor:
         """Each band's k nearest keys under the candidate lift: `(nq, k * bands)`, -1 padded."""
         found = []

@@ -27,14 +27,21 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
 - the keys' witnesses and values sorted by cluster (`offsets` delimit each cluster), which
   the exact part of tail attention reads;
 - `exact_read` `(nc,)`: clusters that every query reads exactly, right after its most massive
-  cluster, when the budget holds them (`tail.select_clusters`). `build` puts the `outliers`
-  fraction of keys farthest from their k-means centre (0.1 % by default) into one such
-  cluster, the last: a few far keys make a cluster's logits heavy-tailed where the Gaussian
+  cluster, when the budget holds them (`tail.select_clusters`). `build` puts the keys farthest
+  from their k-means centre into one such cluster, the last: those at least `outlier_distance`
+  away, the distance of the `outliers` fraction (0.1 % by default) of the trained keys farthest
+  from theirs; a few far keys make a cluster's logits heavy-tailed where the Gaussian
   estimate assumes a light tail. On the `text` heads of `benchmarks/tail.py` (dot product,
   1 % of keys read, the same k-means clusters with and without; ad-hoc script) this lowered
   the worst heads' p99 error (head 8: 0.160 -> 0.136, head 9: 0.123 -> 0.107) and left the
   others within noise; keys far from their centre in absolute distance did better than in
   distance relative to their cluster's spread, or than the keys of largest norm.
+
+- the k-means `centroids` (in the concatenated lift space) that the keys were assigned to.
+
+k-means trains on the first `growth.trained_prefix(n)` keys and every key is assigned to the
+nearest centroid, so `extend` (appended keys: assigned, and only the clusters they join
+recomputed) gives the representation `build` gives over the same keys (docs/indexes.md).
 
 `to_bytes` / `from_bytes` serialise everything but the geometry (numpy `.npz`, no pickle).
 """
@@ -51,6 +58,7 @@ import torch
 from rewa.attention import Geometry, Lift
 
 from .faiss_index import faiss, faiss_device
+from .growth import retrains, trained_prefix
 
 DEFAULT_RANK = 4
 DEFAULT_KEYS_PER_CLUSTER = 512
@@ -110,9 +118,12 @@ class KeyClusters:
     value_mean: torch.Tensor  # (nc, dv)
     value_cross: torch.Tensor  # (nc, D, dv)
     exact_read: torch.Tensor  # (nc,) bool: read exactly by every query (budget allowing)
+    centroids: torch.Tensor  # (n_centroids, P) k-means centres in the concatenated lift space
+    outlier_distance: torch.Tensor  # () keys this far from their centre join the outlier cluster
 
-    # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read.
-    FORMAT = 3
+    # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read,
+    # 3 no centroids.
+    FORMAT = 4
 
     @property
     def n_keys(self) -> int:
@@ -167,9 +178,12 @@ class KeyClusters:
         n = keys_w.shape[0]
         if n == 0:
             raise ValueError("cannot cluster an empty set of keys")
-        n_clusters = n_clusters or default_clusters(n)
-        if not 1 <= n_clusters <= n:
-            raise ValueError(f"expected 1 <= n_clusters <= {n}, got {n_clusters}")
+        prefix = trained_prefix(n)
+        n_clusters = n_clusters or default_clusters(prefix)
+        if not 1 <= n_clusters <= prefix:
+            raise ValueError(
+                f"expected 1 <= n_clusters <= {prefix} (the trained keys), got {n_clusters}"
+            )
         if rank < 0:
             raise ValueError(f"expected rank >= 0, got {rank}")
         if not 0 <= outliers < 1:
@@ -177,31 +191,113 @@ class KeyClusters:
         # float64 stays float64 (the exactness tests); half precisions compute in float32.
         dtype = torch.float64 if keys_w.dtype == torch.float64 else torch.float32
         keys_w, values = keys_w.to(dtype), values.to(dtype)
-        lifts = geometry.lift(keys_w, "key")
-        points = torch.cat([lift.vectors for lift in lifts], dim=-1)
-        labels = kmeans(points, n_clusters, iterations, seed, device)
-        labels = labels.to(keys_w.device)
-        n_outliers = int(outliers * n)
+        points = _points(geometry.lift(keys_w, "key"))
+        centroids = kmeans(points[:prefix], n_clusters, iterations, seed, device)
+        centroids = _refined(points[:prefix], centroids.to(keys_w.device, dtype))
+        labels, distance = _nearest(points, centroids)
+        n_outliers = int(outliers * prefix)
+        outlier_distance = torch.tensor(math.inf, dtype=dtype, device=keys_w.device)
         exact_read = torch.zeros(n_clusters, dtype=torch.bool, device=keys_w.device)
         if n_outliers > 0:
-            labels = _outliers_apart(points, labels, n_clusters, n_outliers)
+            outlier_distance = distance[:prefix].topk(n_outliers).values[-1]
+            labels = labels.masked_fill(distance >= outlier_distance, n_clusters)
             exact_read = torch.cat([exact_read, exact_read.new_ones(1)])
-            n_clusters += 1
         order = labels.argsort(stable=True)
-        counts = torch.bincount(labels, minlength=n_clusters)
+        counts = torch.bincount(labels, minlength=len(exact_read))
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        features = key_features(lifts)[order]
-        sorted_values = values[order]
-        stats = _cluster_statistics(features, sorted_values, offsets, lifts, rank)
+        sorted_keys, sorted_values = keys_w[order], values[order]
+        stats = _cluster_statistics(
+            key_features(geometry.lift(sorted_keys, "key")),
+            sorted_values,
+            offsets,
+            geometry.lift(sorted_keys[:1], "key"),
+            rank,
+        )
         return cls(
             geometry=geometry,
             order=order,
             offsets=offsets,
-            keys_w=keys_w[order],
+            keys_w=sorted_keys,
             values=sorted_values,
-            counts=counts.to(keys_w.dtype),
+            counts=counts.to(dtype),
             exact_read=exact_read,
+            centroids=centroids,
+            outlier_distance=outlier_distance,
             **stats,
+        )
+
+    @torch.no_grad()
+    def extend(self, keys_w: torch.Tensor, values: torch.Tensor, **build_options) -> KeyClusters:
+        """The representation of these keys followed by `keys_w` `(m, d_w)` and `values`
+        `(m, dv)`: equal to `build` over all of them (with `build_options`). The new keys are
+        assigned to the trained centroids and only the clusters they join are recomputed; when
+        the trained prefix moves (`growth.retrains`), everything is built again."""
+        n_old, m = self.n_keys, keys_w.shape[0]
+        if m == 0:
+            return self
+        keys_w, values = keys_w.to(self.keys_w.dtype), values.to(self.values.dtype)
+        if retrains(n_old, n_old + m) or build_options.get("rank", self.rank) != self.rank:
+            all_keys = torch.empty_like(self.keys_w).index_copy_(0, self.order, self.keys_w)
+            all_values = torch.empty_like(self.values).index_copy_(0, self.order, self.values)
+            return type(self).build(
+                torch.cat([all_keys, keys_w]),
+                torch.cat([all_values, values]),
+                self.geometry,
+                rank=self.rank,
+                **build_options,
+            )
+        new_labels, distance = _nearest(_points(self.geometry.lift(keys_w, "key")), self.centroids)
+        if self.n_clusters > self.centroids.shape[0]:  # the last cluster holds the outliers
+            new_labels = new_labels.masked_fill(
+                distance >= self.outlier_distance, self.centroids.shape[0]
+            )
+        # Each new key goes at the end of its cluster (position order within a cluster, as
+        # `build` sorts): the sorted arrays are the old ones cut after each cluster that gains
+        # keys, with those keys in between (copies of slices, no gather over all keys).
+        touched, gained = new_labels.unique(return_counts=True)
+        by_cluster = new_labels.argsort(stable=True)
+        new_ids = torch.arange(n_old, n_old + m, device=self.order.device)
+        cuts = self.offsets[touched + 1].tolist()
+        keys_parts, values_parts, order_parts = [], [], []
+        previous, taken = 0, 0
+        for cut, count in zip(cuts, gained.tolist(), strict=True):
+            joining = by_cluster[taken : taken + count]
+            keys_parts += [self.keys_w[previous:cut], keys_w[joining]]
+            values_parts += [self.values[previous:cut], values[joining]]
+            order_parts += [self.order[previous:cut], new_ids[joining]]
+            previous, taken = cut, taken + count
+        sorted_keys = torch.cat([*keys_parts, self.keys_w[previous:]])
+        sorted_values = torch.cat([*values_parts, self.values[previous:]])
+        order = torch.cat([*order_parts, self.order[previous:]])
+        counts = self.offsets.diff().index_add(0, touched, gained)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        members = torch.cat(
+            [torch.arange(offsets[c], offsets[c + 1], device=offsets.device) for c in touched]
+        )
+        touched_counts = counts[touched]
+        stats = _cluster_statistics(
+            key_features(self.geometry.lift(sorted_keys[members], "key")),
+            sorted_values[members],
+            torch.cat([touched_counts.new_zeros(1), touched_counts.cumsum(0)]),
+            self.geometry.lift(sorted_keys[:1], "key"),
+            self.rank,
+        )
+        fresh = {}
+        for name, part in stats.items():
+            whole = getattr(self, name).clone()
+            whole[touched] = part
+            fresh[name] = whole
+        return type(self)(
+            geometry=self.geometry,
+            order=order,
+            offsets=offsets,
+            keys_w=sorted_keys,
+            values=sorted_values,
+            counts=counts.to(self.counts.dtype),
+            exact_read=self.exact_read,
+            centroids=self.centroids,
+            outlier_distance=self.outlier_distance,
+            **fresh,
         )
 
     def to_bytes(self) -> bytes:
@@ -234,10 +330,10 @@ class KeyClusters:
 def kmeans(
     points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
 ) -> torch.Tensor:
-    """FAISS k-means: each point's cluster `(n,)`."""
+    """FAISS k-means: the centroids `(n_clusters, P)` (float32, on the CPU)."""
     x = np.ascontiguousarray(points.detach().to("cpu", torch.float32).numpy())
     if n_clusters == 1:
-        return torch.zeros(len(x), dtype=torch.long)
+        return torch.from_numpy(x.mean(0, keepdims=True))
     clustering = faiss.Kmeans(
         x.shape[1],
         n_clusters,
@@ -248,21 +344,36 @@ def kmeans(
         gpu=faiss_device(device) == "cuda",
     )
     clustering.train(x)
-    _, labels = clustering.index.search(x, 1)
-    return torch.from_numpy(labels[:, 0]).long()
+    return torch.from_numpy(clustering.centroids.copy())
 
 
-def _outliers_apart(
-    points: torch.Tensor, labels: torch.Tensor, n_clusters: int, n_outliers: int
-) -> torch.Tensor:
-    """Labels with the `n_outliers` points farthest from their cluster's mean moved to a new
-    cluster, `n_clusters`."""
-    counts = torch.bincount(labels, minlength=n_clusters).clamp_min(1)
-    sums = points.new_zeros(n_clusters, points.shape[-1]).index_add_(0, labels, points)
-    distances = (points - (sums / counts.unsqueeze(-1).to(points.dtype))[labels]).norm(dim=-1)
-    labels = labels.clone()
-    labels[distances.topk(n_outliers).indices] = n_clusters
-    return labels
+def _points(lifts: list[Lift]) -> torch.Tensor:
+    """The points k-means clusters: every lift's vectors, concatenated."""
+    return torch.cat([lift.vectors for lift in lifts], dim=-1)
+
+
+def _refined(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """One Lloyd step over all `points`: each centroid moved to the mean of the points nearest
+    to it (kept where none is). k-means trains on a sample of 64 points per centroid; after
+    this step the centroids are (close to) their clusters' means over every trained key, which
+    the outlier distance is measured from."""
+    labels, _ = _nearest(points, centroids)
+    counts = torch.bincount(labels, minlength=centroids.shape[0]).unsqueeze(-1)
+    sums = torch.zeros_like(centroids).index_add_(0, labels, points)
+    return torch.where(counts > 0, sums / counts.clamp_min(1).to(points.dtype), centroids)
+
+
+def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each point's nearest centroid `(n,)` and its Euclidean distance to it `(n,)`, in blocks
+    of points (bounded memory)."""
+    labels, distances = [], []
+    squared_centroids = centroids.square().sum(-1)
+    for block in points.split(max(1, (1 << 22) // max(1, centroids.shape[0]))):
+        squared = block.square().sum(-1, keepdim=True) - 2 * block @ centroids.T
+        nearest, label = (squared + squared_centroids).min(-1)
+        labels.append(label)
+        distances.append(nearest.clamp_min(0).sqrt())
+    return torch.cat(labels), torch.cat(distances)
 
 
 def _cluster_statistics(

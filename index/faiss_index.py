@@ -28,6 +28,7 @@ import torch
 from rewa.attention import Geometry, Lift
 
 from .candidates import best_candidates
+from .growth import retrains, trained_prefix
 from .option_checks import check_int, check_optional_bool
 
 try:
@@ -62,7 +63,8 @@ class IndexSettings:
     """How to index one lift.
 
     kind: `"flat"` (exact), `"ivf"` (inverted lists over k-means cells) or `"hnsw"` (graph).
-    nlist: IVF cells (default: about N / 256, at least 1). nprobe: cells visited per query.
+    nlist: IVF cells (default: about P / 256, at least 1, P the trained prefix of the keys,
+        `growth.trained_prefix`). nprobe: cells visited per query.
     train_points_per_list: k-means training sample per cell (FAISS's default is 256; 64 trains
         4x faster with the same recall on the benchmark data).
     ip_as_l2: index an inner-product lift in L2 on augmented vectors (IVF, HNSW); None decides
@@ -121,7 +123,8 @@ class LiftIndex:
         return self.radius is not None
 
     def _should_augment(self, x: torch.Tensor) -> bool:
-        """Whether to index this inner-product lift in L2 on augmented vectors."""
+        """Whether to index this inner-product lift in L2 on augmented vectors (decided on the
+        trained prefix `x`)."""
         if self.metric != "ip" or self.settings.kind not in ("ivf", "hnsw"):
             return False
         if self.settings.ip_as_l2 is not None:
@@ -135,11 +138,10 @@ class LiftIndex:
         return faiss.METRIC_INNER_PRODUCT
 
     def _keys(self, vectors: torch.Tensor) -> np.ndarray:
+        """Key vectors as FAISS takes them (augmented with the radius already decided)."""
         x = vectors.detach().to("cpu", torch.float32)
-        self.radius = None
-        if self._should_augment(x):
+        if self.augmented:
             squared = x.square().sum(-1, keepdim=True)
-            self.radius = squared.max().sqrt().item()
             x = torch.cat([x, (self.radius**2 - squared).clamp_min(0).sqrt()], dim=-1)
         return _as_faiss(x)
 
@@ -167,15 +169,32 @@ class LiftIndex:
         raise ValueError(f"expected index kind 'flat', 'ivf' or 'hnsw', got {s.kind!r}")
 
     def add(self, vectors: torch.Tensor) -> None:
-        """Index `(n, dim)` vectors (training IVF on them first); replaces earlier content."""
+        """Index `(n, dim)` vectors, replacing earlier content. IVF trains on the first
+        `trained_prefix(n)` of them (and an inner-product lift decides its augmentation there),
+        so `add(x[:m])` then `extend(x[m:])` builds the same index as `add(x)`."""
+        prefix = vectors[: trained_prefix(vectors.shape[0])].detach().to("cpu", torch.float32)
+        self.radius = None
+        if self._should_augment(prefix):
+            self.radius = prefix.square().sum(-1).max().sqrt().item()
         x = self._keys(vectors)
-        index = self._build(x.shape[1], x.shape[0])
+        index = self._build(x.shape[1], len(prefix))
         if self.device == "cuda":
             index = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), 0, index)
         if not index.is_trained:
-            index.train(x)
+            index.train(x[: len(prefix)])
         index.add(x)
         self.index = index
+        self._lists = None
+
+    def extend(self, vectors: torch.Tensor) -> None:
+        """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF)
+        or inserted (flat, HNSW); the caller retrains with `add` when the trained prefix moves
+        (`growth.retrains`)."""
+        if self.index is None:
+            raise RuntimeError("LiftIndex.extend before add()")
+        if vectors.shape[0] == 0:
+            return
+        self.index.add(self._keys(vectors))
         self._lists = None
 
     def lists(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -269,6 +288,20 @@ class GeometryIndex:
             part = LiftIndex(lift.metric, self.settings, self.device)
             part.add(lift.vectors)
             self.parts.append(part)
+
+    def extend(self, keys_w: torch.Tensor) -> None:
+        """Index the witnesses `(n, d_w)` of the grown context, whose first `ntotal` are the ones
+        indexed: only the new ones are added, unless the trained prefix moves (then it is
+        rebuilt). The result equals `add(keys_w)` on a fresh index."""
+        if self.keys is None or keys_w.shape[0] < self.ntotal:
+            raise ValueError(f"extend needs at least the {self.ntotal} keys already indexed")
+        if self.settings.kind == "ivf" and retrains(self.ntotal, keys_w.shape[0]):
+            self.add(keys_w)
+            return
+        new = keys_w[self.ntotal :]
+        for part, lift in zip(self.parts, self.geometry.lift(new, "key"), strict=True):
+            part.extend(lift.vectors)
+        self.keys = keys_w
 
     def candidates(self, queries_w: torch.Tensor, k: int) -> torch.Tensor:
         """Each component's k nearest keys, concatenated: `(nq, k * components)`, `-1` padded."""

@@ -160,6 +160,11 @@ class CompositeLSH:
         self.sorted_buckets, within = buckets.T.contiguous().sort(dim=-1, stable=True)  # (L, n)
         self.order = shuffle[within]  # key index at each sorted position, per table
 
+    def extend(self, keys_w: torch.Tensor) -> None:
+        """Index the witnesses of the grown context: rebuilt, since the grid widths are
+        calibrated on all keys and the tables are shuffled as a whole."""
+        self.add(keys_w)
+
     def candidates(self, queries_w: torch.Tensor) -> torch.Tensor:
         """Keys sharing a bucket with each query in any table: `(nq, L * bucket_limit)` int64,
         `-1` padded (duplicates across tables are left for `build_candidates` to remove)."""

@@ -5,7 +5,13 @@ worker thread (`batcher.Batcher`), never on the event loop.
 
 Per head of a context version the engine may hold a `KeyClusters` (tail mode) and a search
 index of the context's kind (topk mode, search, and the ids of `return_topk`); both are put in
-the store when `store_indexes` is on, so other replicas load them instead of rebuilding."""
+the store when `store_indexes` is on, so other replicas load them instead of rebuilding.
+
+A commit appends tokens. When an earlier version of the context is cached, the new version is
+made from it: only the new segments are read from the store, keys and values are appended to
+buffers with spare capacity, and the indexes built so far are extended with the new keys
+(`extend`: an assignment per key; retraining only when the trained prefix moves), which gives
+what a build over the whole version gives (docs/indexes.md, "Appends")."""
 
 from __future__ import annotations
 
@@ -61,6 +67,28 @@ def intra_op_threads(count: int) -> Iterator[None]:
 
 
 GEOMETRY_SEED = 0
+# Spare capacity of the key and value buffers when an append outgrows them: amortised, each
+# element is copied 1 / (GROWTH - 1) times.
+GROWTH = 1.25
+
+
+def _appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor:
+    """`buffer[:, :used]` followed by `new` along dimension 1: written into `buffer` when it has
+    room (what lies before `used` is never touched, so views of earlier versions stay valid),
+    else into a larger buffer."""
+    needed = used + new.shape[1]
+    if needed > buffer.shape[1]:
+        capacity = max(needed, int(buffer.shape[1] * GROWTH))
+        grown = buffer.new_empty(buffer.shape[0], capacity, buffer.shape[2])
+        grown[:, :used] = buffer[:, :used]
+        buffer = grown
+    buffer[:, used:needed] = new
+    return buffer
+
+
+def _index_bytes(loaded: LoadedContext) -> int:
+    """Memory of the KeyClusters a loaded context holds (search indexes are not counted)."""
+    return sum(clusters.nbytes for clusters in loaded.clusters or [])
 
 
 def geometry_of(spec: dict, head_dim: int) -> Geometry:
@@ -85,6 +113,9 @@ class LoadedContext:
     clusters: list[KeyClusters] | None = None
     search_indexes: dict[str, list] = field(default_factory=dict)
     nbytes: int = 0
+    # `keys` and `values` are the first n_tokens of these (spare capacity for appends).
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -135,38 +166,106 @@ class Engine:
                 self._cache.move_to_end(key)
                 self._count("cache_hits")
                 return loaded
-        self._count("cache_misses")
-        loaded = self._load(namespace, record)
+        earlier = self._take_earlier_version(namespace, record)
+        if earlier is not None:
+            self._count("cache_extensions")
+            loaded = self._extended(earlier, namespace, record)
+        else:
+            self._count("cache_misses")
+            loaded = self._load(namespace, record)
         with self._lock:
             self._cache[key] = loaded
             self._evict()
         return loaded
 
     def _load(self, namespace: str, record: dict) -> LoadedContext:
-        heads, d, dv = record["heads"], record["head_dim"], record["value_dim"]
-        dtype = FLOAT_DTYPES[record["dtype"]]
-        keys, values = [], []
-        for segment in record["segments"]:
-            raw = self.store.read_chunk(namespace, record["id"], segment)
-            flat = torch.frombuffer(bytearray(raw), dtype=dtype)
-            n = segment["tokens"]
-            keys.append(flat[: heads * n * d].view(heads, n, d))
-            values.append(flat[heads * n * d :].view(heads, n, dv))
-        if keys:
-            k = torch.cat(keys, dim=1).to(self.device, torch.float32)
-            v = torch.cat(values, dim=1).to(self.device, torch.float32)
-        else:
-            k = torch.zeros(heads, 0, d, device=self.device)
-            v = torch.zeros(heads, 0, dv, device=self.device)
-        geometry = geometry_of(record["geometry"], d).to(self.device)
+        k, v = self._read_segments(namespace, record, record["segments"])
+        geometry = geometry_of(record["geometry"], record["head_dim"]).to(self.device)
         loaded = LoadedContext(
             key=(namespace, record["id"], record["version"]),
             record=record,
             geometry=geometry,
             keys=k,
             values=v,
+            key_buffer=k,
+            value_buffer=v,
         )
         loaded.nbytes = k.nbytes + v.nbytes
+        return loaded
+
+    def _read_segments(
+        self, namespace: str, record: dict, segments: list[dict]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `(H, n, d)` and values `(H, n, dv)` of `segments`, on the device in float32."""
+        heads, d, dv = record["heads"], record["head_dim"], record["value_dim"]
+        dtype = FLOAT_DTYPES[record["dtype"]]
+        keys, values = [], []
+        for segment in segments:
+            raw = self.store.read_chunk(namespace, record["id"], segment)
+            flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+            n = segment["tokens"]
+            keys.append(flat[: heads * n * d].view(heads, n, d))
+            values.append(flat[heads * n * d :].view(heads, n, dv))
+        if not keys:
+            return (
+                torch.zeros(heads, 0, d, device=self.device),
+                torch.zeros(heads, 0, dv, device=self.device),
+            )
+        return (
+            torch.cat(keys, dim=1).to(self.device, torch.float32),
+            torch.cat(values, dim=1).to(self.device, torch.float32),
+        )
+
+    def _take_earlier_version(self, namespace: str, record: dict) -> LoadedContext | None:
+        """The latest cached earlier version of this context whose segments the record's begin
+        with, taken out of the cache (its buffers and indexes pass to the new version); None
+        when there is none."""
+        with self._lock:
+            versions = [
+                key
+                for key in self._cache
+                if key[:2] == (namespace, record["id"]) and key[2] < record["version"]
+            ]
+            if not versions:
+                return None
+            earlier = self._cache[max(versions, key=lambda key: key[2])]
+            segments = earlier.record["segments"]
+            if record["segments"][: len(segments)] != segments:
+                return None
+            return self._cache.pop(earlier.key)
+
+    def _extended(self, earlier: LoadedContext, namespace: str, record: dict) -> LoadedContext:
+        """The record's version made from an earlier one: the new segments read and appended,
+        the indexes built so far extended with their keys."""
+        new_segments = record["segments"][len(earlier.record["segments"]) :]
+        new_k, new_v = self._read_segments(namespace, record, new_segments)
+        n_old, n = earlier.n_tokens, earlier.n_tokens + new_k.shape[1]
+        key_buffer = _appended(earlier.key_buffer, n_old, new_k)
+        value_buffer = _appended(earlier.value_buffer, n_old, new_v)
+        loaded = LoadedContext(
+            key=(namespace, record["id"], record["version"]),
+            record=record,
+            geometry=earlier.geometry,
+            keys=key_buffer[:, :n],
+            values=value_buffer[:, :n],
+            key_buffer=key_buffer,
+            value_buffer=value_buffer,
+        )
+        start = time.perf_counter()
+        with torch.no_grad():
+            witness = loaded.geometry.witness
+            if earlier.clusters is not None:
+                loaded.clusters = [
+                    clusters.extend(witness(new_k[head]), new_v[head])
+                    for head, clusters in enumerate(earlier.clusters)
+                ]
+            for kind, indexes in earlier.search_indexes.items():
+                for head, index in enumerate(indexes):
+                    index.extend(witness(loaded.keys[head]))
+                loaded.search_indexes[kind] = indexes
+        if earlier.clusters is not None or earlier.search_indexes:
+            self._observe_build("extend", time.perf_counter() - start)
+        loaded.nbytes = key_buffer.nbytes + value_buffer.nbytes + _index_bytes(loaded)
         return loaded
 
     def _evict(self) -> None:

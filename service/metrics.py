@@ -62,7 +62,10 @@ class Metrics:
             registry=self.registry,
         )
         self.cache = Counter(
-            "rewa_cache", "context cache lookups", ["result"], registry=self.registry
+            "rewa_cache",
+            "context cache lookups (hit, miss, extended: an earlier version plus appends)",
+            ["result"],
+            registry=self.registry,
         )
         self.cached_bytes = Gauge(
             "rewa_cache_bytes", "bytes of loaded contexts and indexes", registry=self.registry
@@ -87,6 +90,8 @@ class Metrics:
             self.cache.labels("hit").inc()
         elif name == "cache_misses":
             self.cache.labels("miss").inc()
+        elif name == "cache_extensions":
+            self.cache.labels("extended").inc()
 
     def index_build(self, kind: str, seconds: float) -> None:
         self.build_seconds.labels(kind).observe(seconds)

@@ -165,3 +165,63 @@ def test_search_indexes_are_built_once_and_shared_through_the_store(
     torch.testing.assert_close(again["out"], result["out"])
     torch.testing.assert_close(again["lse"], result["lse"])
     assert torch.equal(found_again["ids"], found["ids"])
+
+
+def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
+    """Single-token commits: each new version is made from the cached one (buffers and indexes
+    extended, across a retraining at 4096 keys) and answers exactly as a version loaded and
+    indexed from scratch."""
+    store = EmbeddedStore()
+    generator = torch.Generator().manual_seed(5)
+    n0, appends = 4090, 10
+    keys = torch.randn(H, n0 + appends, D, generator=generator)
+    values = torch.randn(H, n0 + appends, D, generator=generator)
+    info = {"id": "grow", "name": None, "geometry": {"name": "dot"}, "heads": H, "head_dim": D,
+            "value_dim": D, "dtype": "float32",
+            "index": {"kind": "ivf", "k": 16, "window": 0, "sinks": 0, "budget": 0.05,
+                      "options": {}}}  # fmt: skip
+    store.create("ns", info)
+
+    def commit(start, stop):
+        upload = store.begin_upload("ns", "grow")
+        data = keys[:, start:stop].numpy().tobytes() + values[:, start:stop].numpy().tobytes()
+        store.add_chunk("ns", "grow", upload, data, stop - start)
+        return store.commit("ns", "grow", upload, 10**6)
+
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    queries = torch.randn(H, 5, D, generator=generator)
+    every_mode = [
+        AttendParams(mode=mode, k=16, budget=0.05, window=0, sinks=0, return_topk=4)
+        for mode in ("tail", "topk", "exact")
+    ]
+    record = commit(0, n0)
+    for params in every_mode:
+        engine.attend(engine.context("ns", record), queries, params)
+    for n in range(n0, n0 + appends):
+        record = commit(n, n + 1)
+        loaded = engine.context("ns", record)
+        assert loaded.clusters is not None and "ivf" in loaded.search_indexes  # extended
+        assert [key[2] for key in engine._cache] == [record["version"]]
+        torch.testing.assert_close(loaded.keys, keys[:, : n + 1], rtol=0, atol=0)
+        fresh = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30,
+                       store_indexes=False)  # fmt: skip
+        for params in every_mode:
+            got = engine.attend(loaded, queries, params)
+            expected = fresh.attend(fresh.context("ns", record), queries, params)
+            assert torch.equal(got["ids"], expected["ids"]), (n, params.mode)
+            for name in ("out", "lse", "weights"):
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_append_after_the_cached_version_was_evicted_loads_afresh():
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 7)
+    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    engine.context("ns", record)
+    engine.forget("ns", "a")
+    upload = store.begin_upload("ns", "a")
+    store.add_chunk("ns", "a", upload, torch.ones(2 * H * D).numpy().tobytes(), 1)
+    record = store.commit("ns", "a", upload, 10**6)
+    loaded = engine.context("ns", record)
+    assert loaded.n_tokens == N + 1 and loaded.clusters is None
+    assert torch.equal(loaded.keys[:, -1], torch.ones(H, D))

@@ -1,0 +1,108 @@
+"""Indexes that follow appends (docs/indexes.md, "Appends"): an index built over a context's
+first keys and extended with the rest, in any number of steps and across a retraining, equals
+the index built over all of them at once."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from itertools import pairwise
+
+import pytest
+import torch
+
+from rewa.attention import make_geometry
+from rewa.index import KeyClusters, build_index
+from rewa.index.growth import TRAINING_BASE, retrains, trained_prefix
+from rewa.index.tail import tail_attention
+
+
+def test_the_trained_prefix_doubles():
+    assert [trained_prefix(n) for n in (1, 100, 4096)] == [1, 100, 4096]
+    assert [trained_prefix(n) for n in (4097, 8191, 8192, 12000, 131071, 131073)] == [
+        4096, 4096, 8192, 8192, 65536, 131072,
+    ]  # fmt: skip
+    assert not retrains(5000, 8191) and retrains(8191, 8192) and retrains(100, 101)
+
+
+def _keys(n, d=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(32, d, generator=generator) * 2
+    k = centres[torch.randint(32, (n,), generator=generator)] + torch.randn(
+        n, d, generator=generator
+    )
+    return k, torch.randn(n, d, generator=generator)
+
+
+# Cut points: below the training base, past it (no retraining), across a doubling, and one by one.
+STEPS = [3000, 4096, 4100, 4101, 6000, 8191, 8192, 8193, 9000]
+
+
+@pytest.mark.parametrize("geometry", ["dot", "euclidean", "poincare"])
+def test_extended_clusters_equal_clusters_built_at_once(geometry):
+    g = make_geometry(geometry, 16).double()
+    k, v = _keys(STEPS[-1])
+    k, v = k.double() * 0.1, v.double()
+    kw = g.witness(k)
+    grown = KeyClusters.build(kw[: STEPS[0]], v[: STEPS[0]], g)
+    for start, stop in pairwise(STEPS):
+        grown = grown.extend(kw[start:stop], v[start:stop])
+        whole = KeyClusters.build(kw[:stop], v[:stop], g)
+        for field in fields(KeyClusters):
+            if field.name == "geometry":
+                continue
+            mine, theirs = getattr(grown, field.name), getattr(whole, field.name)
+            if mine.dtype.is_floating_point:
+                torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-9)
+            else:
+                assert torch.equal(mine, theirs), (stop, field.name)
+    assert grown.n_keys == STEPS[-1] and grown.exact_read[-1]  # the outlier cluster
+    q = torch.randn(8, 16, dtype=torch.float64) * 0.1
+    out, lse = tail_attention(q, grown, budget=0.05, tail=True)
+    expected = tail_attention(q, KeyClusters.build(kw, v, g), budget=0.05, tail=True)
+    torch.testing.assert_close((out, lse), expected)
+
+
+def test_appended_keys_far_from_every_centre_join_the_outlier_cluster():
+    g = make_geometry("dot", 16)
+    k, v = _keys(5000)
+    clusters = KeyClusters.build(g.witness(k), v, g)
+    far = torch.full((3, 16), 1e3)
+    grown = clusters.extend(far, torch.zeros(3, 16))
+    first, last = grown.offsets[-2:].tolist()
+    assert {5000, 5001, 5002} <= set(grown.order[first:last].tolist())
+    assert len(grown.counts) == len(clusters.counts)
+
+
+@pytest.mark.parametrize("kind", ["ivf", "flat", "lsh"])
+def test_an_extended_search_index_equals_one_built_at_once(kind):
+    g = make_geometry("dot", 16)
+    k, _ = _keys(STEPS[-1])
+    grown = build_index(k[: STEPS[0]], g, kind)
+    q = torch.randn(64, 16)
+    for stop in STEPS[1:]:
+        grown.extend(k[:stop])
+        whole = build_index(k[:stop], g, kind)
+        assert grown.ntotal == whole.ntotal == stop
+        scores, ids = grown.search(q, 8)
+        expected_scores, expected_ids = whole.search(q, 8)
+        assert torch.equal(ids, expected_ids), stop
+        torch.testing.assert_close(scores, expected_scores)
+    if kind == "ivf":
+        lists = grown.parts[0].lists()
+        assert [ids.tolist() for ids in lists] == [ids.tolist() for ids in whole.parts[0].lists()]
+
+
+def test_an_ivf_index_trains_on_the_prefix_only():
+    g = make_geometry("dot", 16)
+    k, _ = _keys(12000)
+    index = build_index(k, g, "ivf")
+    assert len(index.parts[0].lists()) == trained_prefix(12000) // 256 == 8192 // 256
+    assert TRAINING_BASE == 4096
+
+
+def test_extending_with_fewer_keys_than_indexed_is_refused():
+    g = make_geometry("dot", 16)
+    k, _ = _keys(5000)
+    index = build_index(k, g, "ivf")
+    with pytest.raises(ValueError, match="at least the 5000 keys"):
+        index.extend(k[:10])
