@@ -4,6 +4,7 @@ retrieval attention and its quality measures."""
 
 from .bands import BandedIndex
 from .candidates import CandidateSet, build_candidates, query_positions, window_candidates
+from .causal import causal_tail_attention
 from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
 from .lsh import BoundaryProjectionHash, CompositeLSH, GridHash, SimHash
@@ -38,6 +39,7 @@ __all__ = [
     "SimHash",
     "build_candidates",
     "build_index",
+    "causal_tail_attention",
     "dense_entropy",
     "estimate_clusters",
     "exact_topk",

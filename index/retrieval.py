@@ -17,6 +17,7 @@ from rewa.attention.sparse import attend_scored
 
 from .bands import BandedIndex
 from .candidates import CandidateSet, build_candidates, query_positions
+from .causal import causal_tail_attention
 from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings
 from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
@@ -148,7 +149,9 @@ def retrieval_attention(
     reads the keys of its most massive clusters up to `budget` (a fraction of all keys) plus the
     window (the last `window` keys) and the first `sinks` keys exactly (`tail_attention`;
     `top_k` is not used); `tail=True` adds the estimate of every other cluster, so that `lse`
-    estimates the full log-partition. Not causal.
+    estimates the full log-partition. With `causal=True` a query at position p reads its own
+    segment of keys up to p exactly and estimates the keys before it from clusters of exactly
+    those keys (`causal_tail_attention`; a `KeyClusters` passed in is not used then).
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
     """
@@ -169,6 +172,7 @@ def retrieval_attention(
             window=window,
             sinks=sinks,
             causal=causal,
+            positions=positions,
         )
     if tail:
         raise ValueError("tail=True needs index='clusters' or a KeyClusters")
@@ -223,12 +227,15 @@ def _cluster_attention(
     window: int,
     sinks: int,
     causal: bool,
+    positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`retrieval_attention` over a clustered context (`tail_attention`)."""
+    """`retrieval_attention` over a clustered context (`tail_attention`, or
+    `causal_tail_attention`)."""
     if causal:
-        raise ValueError(
-            "cluster attention is not causal (its statistics cover every key); use an IVF, "
-            "HNSW, flat or LSH index for causal attention"
+        if positions is None:
+            positions = query_positions(q.shape[0], k.shape[0], q.device)
+        return causal_tail_attention(
+            q, k, v, geometry, positions, budget=budget, tail=tail, window=window, sinks=sinks
         )
     if isinstance(clusters, str):
         with torch.no_grad():

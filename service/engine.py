@@ -373,7 +373,11 @@ class Engine:
             # speeds up far less than it costs the other work of the process
             # (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on
             # one thread, 135 on two).
-            indexes = self.clusters(loaded) if params.mode == "tail" else self.search_index(loaded)
+            if params.mode == "tail":
+                # Causal tail clusters the keys before each segment of queries itself.
+                indexes = [None] * q.shape[0] if causal else self.clusters(loaded)
+            else:
+                indexes = self.search_index(loaded)
             with intra_op_threads(self.sparse_threads):
                 heads = [
                     self._sparse_head(
@@ -399,7 +403,8 @@ class Engine:
         return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
 
     def _sparse_head(self, loaded, q, head, index, params, positions, causal):
-        """One head's tail (`index`: its `KeyClusters`) or topk (its search index) attention."""
+        """One head's tail (`index`: its `KeyClusters`, None for causal tail) or topk (its
+        search index) attention."""
         k, v = loaded.keys[head], loaded.values[head]
         if params.mode == "tail":
             return retrieval_attention(
@@ -407,11 +412,13 @@ class Engine:
                 k,
                 v,
                 loaded.geometry,
-                index=index,
+                index=index or "clusters",
                 tail=True,
                 budget=params.budget,
                 window=params.window,
                 sinks=params.sinks,
+                causal=causal,
+                positions=positions,
             )
         return retrieval_attention(
             q,

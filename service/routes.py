@@ -620,10 +620,6 @@ async def self_attention(
             "end",
         )
     mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail", record)
-    if mode == "tail" and body.causal:
-        raise invalid(
-            "mode", "exact or topk with causal=true (the tail estimate is not causal)", "tail"
-        )
     params = _params(body, record, settings, mode, None)
     engine = request.app.state.engine
     start = body.start

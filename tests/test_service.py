@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import KeyClusters, build_index, retrieval_attention
+from rewa.index import KeyClusters, build_index, causal_tail_attention, retrieval_attention
 from tests.service_support import (
     REDIS_URL,
     Server,
@@ -152,6 +152,21 @@ def test_self_attention_and_search_for_distance_geometries(server, data, geometr
         expected = dense_attention(k[:, 100:200], k, v, geometry, mask=mask)
         torch.testing.assert_close(decode(body["out"]), expected[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(decode(body["lse"]), expected[1], rtol=1e-4, atol=1e-5)
+        # Causal tail: what the library's causal_tail_attention computes, head by head (here
+        # within the first segment, so exact as well).
+        response = client.post(
+            f"/v1/contexts/{context['id']}/self-attention",
+            json={"start": 100, "end": 200, "causal": True, "mode": "tail", "budget": 0.1},
+        )
+        assert response.status_code == 200, response.text
+        tail_out = decode(response.json()["out"])
+        for h in range(H):
+            expected = causal_tail_attention(
+                k[h, 100:200], k[h], v[h], geometry, torch.arange(100, 200), budget=0.1
+            )
+            torch.testing.assert_close(tail_out[h], expected[0], rtol=1e-4, atol=1e-5)
+        exact = dense_attention(k[:, 100:200], k, v, geometry, mask=mask)
+        torch.testing.assert_close(tail_out, exact[0], rtol=1e-4, atol=1e-5)
         # With explicit queries, non-causal, topk over the flat index with every key: exact.
         queries = torch.randn(H, 7, D) * 0.1
         response = client.post(

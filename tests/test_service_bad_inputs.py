@@ -88,8 +88,6 @@ CASES = [
      "k"),
     ("return_topk larger than the context", "POST", ATTEND,
      {"json": {"queries": GOOD_QUERIES, "return_topk": N + 1}}, 400, "return_topk"),
-    ("causal tail", "POST", SELF, {"json": {"causal": True, "mode": "tail", "end": 10}}, 400,
-     "mode"),
     ("self-attention rows out of range", "POST", SELF, {"json": {"start": 5, "end": N + 1}},
      400, "end"),
     ("unknown context", "POST", "/v1/contexts/no-such-context/attend",

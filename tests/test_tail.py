@@ -426,8 +426,6 @@ def test_bad_inputs_are_rejected():
         tail_attention(q[:, :4], clusters)
     with pytest.raises(ValueError, match="always ids"):
         tail_attention(q, clusters, always=torch.tensor([400]))
-    with pytest.raises(ValueError, match="not causal"):
-        retrieval_attention(q, k, v, g, index=clusters, causal=True)
     with pytest.raises(ValueError, match="tail=True needs"):
         retrieval_attention(q, k, v, g, index="ivf", tail=True)
     with pytest.raises(ValueError, match="n_clusters"):

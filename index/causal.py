@@ -1,0 +1,94 @@
+"""Causal tail attention (docs/indexes.md, "Causal tail"): a query at position p attends over the
+keys `[0, p]`. The keys are cut into segments of `segment` positions; the query reads the keys of
+its own segment up to p exactly (a masked dense block) and sees the keys before its segment
+through tail attention over a `KeyClusters` of them (the clusters it visits exactly within
+`budget`, the others estimated). The two parts merge exactly by their log-sum-exps
+(docs/mathematics.md 7).
+
+Segments are visited in order and the clusters of the keys before segment j + 1 are those of
+segment j's extended with segment j's keys (`KeyClusters.extend`), so every query sees the
+clusters a build over exactly its earlier keys would give.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rewa.attention import Geometry, dense_attention, merge_attention
+
+from .clusters import KeyClusters
+from .tail import tail_attention
+
+DEFAULT_SEGMENT = 4096
+# Keys read exactly from before the segment, at least: a budget fraction of a short prefix holds
+# less than one cluster (512 keys by default), and then every cluster is only estimated.
+MIN_KEYS_READ = 1024
+
+
+def causal_tail_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    geometry: Geometry,
+    positions: torch.Tensor,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    window: int = 0,
+    sinks: int = 0,
+    segment: int = DEFAULT_SEGMENT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out (nq, dv), lse (nq,))` of queries `(nq, d)` at `positions` `(nq,)` over keys
+    `(nk, d)` and values `(nk, dv)`, query i seeing keys `[0, positions[i]]`. `budget` is the
+    fraction of the keys before a query's segment that it reads exactly (at least
+    `MIN_KEYS_READ` of them); `tail=False` leaves the unread clusters out. The first `sinks`
+    keys, and the `window` keys before a query's segment (its window reaches there at most),
+    are read exactly besides. Gradients reach q, and k and v through the exact part."""
+    if q.dim() != 2 or k.dim() != 2 or v.dim() != 2 or k.shape[0] != v.shape[0]:
+        raise ValueError(
+            f"expected q (nq, d), k (nk, d), v (nk, dv), got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if positions.shape != q.shape[:1]:
+        raise ValueError(f"expected one position per query, got {tuple(positions.shape)}")
+    if segment < 1:
+        raise ValueError(f"expected a segment of at least one key, got {segment}")
+    if window < 0 or sinks < 0:
+        raise ValueError(f"expected window and sinks >= 0, got {window} and {sinks}")
+    n_keys = k.shape[0]
+    if q.shape[0] == 0:
+        return v.new_zeros(0, v.shape[-1]), q.new_zeros(0)
+    if int(positions.min()) < 0 or int(positions.max()) >= n_keys:
+        raise ValueError(f"expected positions in [0, {n_keys}) (a key at each position)")
+    with torch.no_grad():
+        keys_w = geometry.witness(k)
+    segment_of = positions // segment
+    outs, lses, rows_done = [], [], []
+    earlier: KeyClusters | None = None
+    for index in segment_of.unique().tolist():  # ascending
+        rows = (segment_of == index).nonzero().squeeze(-1)
+        start, at = index * segment, positions[rows]
+        stop = int(at.max()) + 1
+        visible = torch.arange(start, stop, device=k.device) <= at.unsqueeze(-1)
+        part = dense_attention(q[rows], k[start:stop], v[start:stop], geometry, mask=visible)
+        if start > 0:
+            with torch.no_grad():
+                if earlier is None:
+                    earlier = KeyClusters.build(keys_w[:start], v[:start].detach(), geometry)
+                else:
+                    added = slice(earlier.n_keys, start)
+                    earlier = earlier.extend(keys_w[added], v[added].detach())
+            fraction = min(1.0, max(budget, MIN_KEYS_READ / start))
+            always = torch.cat(
+                [
+                    torch.arange(min(sinks, start), device=k.device),
+                    torch.arange(max(start - window, 0), start, device=k.device),
+                ]
+            )
+            estimate = tail_attention(q[rows], earlier, budget=fraction, tail=tail, always=always)
+            part = merge_attention(part, estimate)
+        outs.append(part[0])
+        lses.append(part[1])
+        rows_done.append(rows)
+    where = torch.cat(rows_done).argsort()
+    return torch.cat(outs)[where], torch.cat(lses)[where]
