@@ -222,6 +222,18 @@ class _Operations:
     def delete_context(self, context_id: str) -> Operation:
         yield _Request("DELETE", f"/v1/contexts/{context_id}")
 
+    def index_state(self, context_id: str) -> Operation:
+        """What the replica that answers holds of the latest version: `{"loaded", "built"}`."""
+        response = yield _Request("GET", f"/v1/contexts/{context_id}/index")
+        return response.json()
+
+    def build_index(self, context_id: str, modes: list[str] | None = None) -> Operation:
+        """Build the modes' indexes of the latest version now (default: the context's default
+        mode) and return the index state once they are built."""
+        body = {"modes": modes} if modes else None
+        response = yield _Request("POST", f"/v1/contexts/{context_id}/index", json=body)
+        return response.json()
+
     # -- uploads ----------------------------------------------------------------------------
 
     def begin_upload(self, context_id: str) -> Operation:

@@ -62,9 +62,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(running: FastAPI):
         await batcher.start()
         yield
+        # Background index builds still queued are dropped: a later attend builds instead.
+        for task in list(running.state.background_tasks):
+            task.cancel()
         await batcher.stop()
 
     # /docs and /redoc with their scripts served by the service itself (no CDN: it works offline).
@@ -79,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.engine = engine
     app.state.batcher = batcher
     app.state.metrics = metrics
+    app.state.background_tasks = set()
     namespaces = namespaces_for(settings.api_key_list())
     install_error_handlers(app)
     app.include_router(router)

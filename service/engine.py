@@ -345,6 +345,24 @@ class Engine:
         loaded.search_indexes[kind] = indexes
         return indexes
 
+    def index_state(self, namespace: str, record: dict) -> dict:
+        """`{"loaded", "built"}` of the record's version in the cache (nothing is loaded)."""
+        with self._lock:
+            loaded = self._cache.get((namespace, record["id"], record["version"]))
+        if loaded is None:
+            return {"loaded": False, "built": []}
+        built = ["tail"] if loaded.clusters is not None else []
+        if record["index"]["kind"] in loaded.search_indexes:
+            built.append("topk")
+        return {"loaded": True, "built": built}
+
+    def build_indexes(self, loaded: LoadedContext, modes: list[str]) -> None:
+        """Build what the modes need now (the clusters for tail, the search index for topk)
+        rather than at their first attend; what is built already stays."""
+        for mode in modes:
+            with torch.no_grad():
+                self.clusters(loaded) if mode == "tail" else self.search_index(loaded)
+
     def _observe_build(self, kind: str, seconds: float) -> None:
         if self.metrics is not None:
             self.metrics.index_build(kind, seconds)

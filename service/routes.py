@@ -10,6 +10,8 @@ import asyncio
 import functools
 import inspect
 import json
+import logging
+import time
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from .schemas import (
     ContextInfo,
     ContextList,
     ErrorBody,
+    IndexBuildRequest,
+    IndexState,
     SearchRequest,
     SearchResponse,
     SelfAttentionRequest,
@@ -42,6 +46,8 @@ from .schemas import (
     UploadInfo,
 )
 from .store import NotFound, StoreUnavailable, TooLarge, new_id
+
+logger = logging.getLogger(__name__)
 
 # Operation ids are the route functions' names (the OpenAPI links below refer to them).
 router = APIRouter(prefix="/v1", generate_unique_id_function=lambda route: route.name)
@@ -323,6 +329,8 @@ def _check_index_options(geometry: Geometry, kind: str, options: dict) -> None:
             "attend",
             "search",
             "self_attention",
+            "get_index_state",
+            "build_index",
         ),
     },
 )
@@ -488,10 +496,91 @@ async def add_chunk(
     responses=errors(*STORE, 404, 413),
 )
 async def commit_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
-    """Append the upload's tokens to the context atomically (version + 1)."""
+    """Append the upload's tokens to the context atomically (version + 1). With
+    `REWA_BUILD_ON_COMMIT` the new version is loaded and its default mode's index built (or
+    extended from the previous version's) in the background, on the device worker; an attend
+    that comes first is answered all the same, building what it needs."""
     limit = _settings(request).max_tokens_per_context
     record = await _store(request, "commit", namespace, context_id, upload_id, limit)
+    if _settings(request).build_on_commit:
+        _in_background(request.app, _build(request.app, namespace, record, _default_modes(record)))
     return _info(record)
+
+
+def _default_modes(record: dict) -> list[str]:
+    """The mode an attend without one uses (tail, or topk for a geometry without a lift)."""
+    return [_mode(None, False, "tail", record)]
+
+
+def _in_background(app, coroutine) -> None:
+    """Run a coroutine as a task the app keeps a reference to until it ends."""
+    tasks = app.state.background_tasks
+    task = asyncio.get_running_loop().create_task(coroutine)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
+    """Load the record's version and build the modes' indexes on the device worker: the
+    seconds it took, or None when the queue refused it (the first attend builds then)."""
+    engine = app.state.engine
+
+    def run(_):
+        start = time.perf_counter()
+        engine.build_indexes(engine.context(namespace, record), modes)
+        return time.perf_counter() - start
+
+    try:
+        return await app.state.batcher.submit(Job(key=None, payload=None, size=1, run=run))
+    except Overloaded:
+        return None
+    except Exception:  # a store or device failure: the first attend reports it instead
+        logger.exception("background index build of %s v%s failed", record["id"], record["version"])
+        return None
+
+
+@router.get(
+    "/contexts/{context_id}/index",
+    response_model=IndexState,
+    tags=["contexts"],
+    responses=errors(*STORE, 404),
+)
+async def get_index_state(context_id: str, request: Request, namespace: str = Namespace):
+    """What this replica holds of the context's latest version (loaded, indexes built)."""
+    record = await _store(request, "get", namespace, context_id)
+    state = request.app.state.engine.index_state(namespace, record)
+    return IndexState(context_id=context_id, version=record["version"], **state)
+
+
+@router.post(
+    "/contexts/{context_id}/index",
+    response_model=IndexState,
+    tags=["contexts"],
+    responses=errors(*STORE, *BODY, 404, 409, 429),
+)
+async def build_index(
+    context_id: str,
+    request: Request,
+    response: Response,
+    body: IndexBuildRequest | None = None,
+    namespace: str = Namespace,
+):
+    """Load the latest version and build the modes' indexes now, answering when they are
+    built (a client waits for them so that its first attend does not pay the build)."""
+    record = await _committed(request, namespace, context_id)
+    modes = (body.modes if body and body.modes else None) or _default_modes(record)
+    for mode in modes:
+        _mode(mode, False, "tail", record)  # tail for a geometry without a lift: 400
+    engine = request.app.state.engine
+
+    def run(_):
+        start = time.perf_counter()
+        engine.build_indexes(engine.context(namespace, record), sorted(set(modes)))
+        return time.perf_counter() - start
+
+    seconds = await _compute(request, response, Job(key=None, payload=None, size=1, run=run))
+    state = engine.index_state(namespace, record)
+    return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)
 
 
 @router.delete(

@@ -86,6 +86,29 @@ class ContextInfo(BaseModel):
     updated_at: float
 
 
+IndexMode = Literal["tail", "topk"]
+
+
+class IndexState(BaseModel):
+    """What this replica holds of a context's latest version: whether it is loaded on the
+    device, and which modes have their index built (`tail`: the clusters; `topk`: the search
+    index of the context's kind, which `/search` and `return_topk` use too). A mode that is not
+    built is built by its first attend; `seconds` is the time of the build this request ran."""
+
+    context_id: str
+    version: int
+    loaded: bool
+    built: list[IndexMode]
+    seconds: float | None = None
+
+
+class IndexBuildRequest(Strict):
+    """Which modes' indexes to build; by default the context's default mode (tail, or topk for
+    a geometry without an exact lift)."""
+
+    modes: list[IndexMode] | None = Field(None, min_length=1, max_length=2)
+
+
 class ContextList(BaseModel):
     contexts: list[ContextInfo]
 

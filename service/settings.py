@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     store_indexes: bool = (
         True  # keep built indexes (clusters, FAISS, LSH) in the store for replicas
     )
+    build_on_commit: bool = Field(
+        True, description="a commit builds (or extends) the new version's index in the background"
+    )
     sparse_threads: int = Field(
         1,
         ge=0,

@@ -87,6 +87,9 @@ def test_the_client_covers_every_endpoint_and_matches_the_library(server, data):
 
         found = client.search(context["id"], queries, 5, exact=True)
         assert torch.equal(found.ids, best) and found.version == 2
+        state = client.build_index(context["id"], ["topk"])
+        assert state["version"] == 2 and "topk" in state["built"]
+        assert client.index_state(context["id"])["built"] == state["built"]
 
         rows = client.self_attention(context["id"], start=10, end=20, exact=True)
         expected_rows = dense_attention(keys[:, 10:20], keys, values, geometry)

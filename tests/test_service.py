@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 
 import httpx
 import pytest
@@ -389,3 +390,42 @@ def test_the_authorization_header_is_parsed_strictly():
             assert connection.recv(4096).startswith(b"HTTP/1.1 401")
     finally:
         server.kill()
+
+
+def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_it(server, data):
+    keys, values, queries = data
+    with server.client() as client:
+        context = create_context(client, index={"kind": "ivf", "k": 32})
+        url = f"/v1/contexts/{context['id']}/index"
+        response = client.post(url)
+        assert response.status_code == 409  # nothing committed yet
+        committed = upload(client, context["id"], keys, values)
+        deadline = time.monotonic() + 60
+        while True:  # REWA_BUILD_ON_COMMIT: the default mode's index, built on the worker
+            state = client.get(url).json()
+            if state["built"] == ["tail"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert state == {"context_id": context["id"], "version": committed["version"],
+                         "loaded": True, "built": ["tail"], "seconds": None}  # fmt: skip
+        # Waiting for another mode: the request answers once it is built.
+        response = client.post(url, json={"modes": ["topk", "tail"]})
+        assert response.status_code == 200, response.text
+        built = response.json()
+        assert built["built"] == ["tail", "topk"] and built["seconds"] >= 0
+        out, _, _ = attend(client, context["id"], queries, mode="tail", budget=1.0)
+        expected = dense_attention(queries, keys, values, make_geometry("dot", D))
+        torch.testing.assert_close(out, expected[0], rtol=1e-4, atol=1e-5)
+        for body, param in (({"modes": ["sideways"]}, "modes.0"), ({"modes": []}, "modes")):
+            response = client.post(url, json=body)
+            assert response.status_code == 422, response.text
+            assert response.json()["error"]["param"] == param
+        assert client.get("/v1/contexts/no-such-context/index").status_code == 404
+        client.delete(f"/v1/contexts/{context['id']}")
+        cone = create_context(client, geometry={"name": "cone"}, index={"kind": "flat"})
+        upload(client, cone["id"], keys[:, :50] * 0.1, values[:, :50])
+        response = client.post(f"/v1/contexts/{cone['id']}/index", json={"modes": ["tail"]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "mode"
+        response = client.post(f"/v1/contexts/{cone['id']}/index")  # its default: topk
+        assert response.status_code == 200 and response.json()["built"] == ["topk"]
+        client.delete(f"/v1/contexts/{cone['id']}")
