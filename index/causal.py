@@ -20,9 +20,11 @@ from .clusters import KeyClusters
 from .tail import tail_attention
 
 DEFAULT_SEGMENT = 4096
-# Keys read exactly from before the segment, at least: a budget fraction of a short prefix holds
-# less than one cluster (512 keys by default), and then every cluster is only estimated.
-MIN_KEYS_READ = 1024
+# Keys read exactly from before the segment, at least: two clusters at their largest (512 keys
+# by default, up to twice that before the trained prefix doubles, `growth`). A budget fraction of
+# a short prefix holds less than one cluster, and then every cluster is only estimated (on the
+# MiniLM heads of benchmarks/causal_tail.py, head 9: p99 error 0.24 with 1024, docs/indexes.md).
+MIN_KEYS_READ = 2048
 
 
 def causal_tail_attention(
