@@ -246,58 +246,63 @@ class KeyClusters:
                 rank=self.rank,
                 **build_options,
             )
-        new_labels, distance = _nearest(_points(self.geometry.lift(keys_w, "key")), self.centroids)
-        if self.n_clusters > self.centroids.shape[0]:  # the last cluster holds the outliers
-            new_labels = new_labels.masked_fill(
-                distance >= self.outlier_distance, self.centroids.shape[0]
-            )
-        # Each new key goes at the end of its cluster (position order within a cluster, as
-        # `build` sorts): the sorted arrays are the old ones cut after each cluster that gains
-        # keys, with those keys in between (copies of slices, no gather over all keys).
-        touched, gained = new_labels.unique(return_counts=True)
-        by_cluster = new_labels.argsort(stable=True)
-        new_ids = torch.arange(n_old, n_old + m, device=self.order.device)
-        cuts = self.offsets[touched + 1].tolist()
-        keys_parts, values_parts, order_parts = [], [], []
-        previous, taken = 0, 0
-        for cut, count in zip(cuts, gained.tolist(), strict=True):
-            joining = by_cluster[taken : taken + count]
-            keys_parts += [self.keys_w[previous:cut], keys_w[joining]]
-            values_parts += [self.values[previous:cut], values[joining]]
-            order_parts += [self.order[previous:cut], new_ids[joining]]
-            previous, taken = cut, taken + count
-        sorted_keys = torch.cat([*keys_parts, self.keys_w[previous:]])
-        sorted_values = torch.cat([*values_parts, self.values[previous:]])
-        order = torch.cat([*order_parts, self.order[previous:]])
-        counts = self.offsets.diff().index_add(0, touched, gained)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        members = torch.cat(
-            [torch.arange(offsets[c], offsets[c + 1], device=offsets.device) for c in touched]
-        )
-        touched_counts = counts[touched]
-        stats = _cluster_statistics(
-            key_features(self.geometry.lift(sorted_keys[members], "key")),
-            sorted_values[members],
-            torch.cat([touched_counts.new_zeros(1), touched_counts.cumsum(0)]),
-            self.geometry.lift(sorted_keys[:1], "key"),
-            self.rank,
-        )
-        fresh = {}
+        labels = self._assign(keys_w)
+        order, offsets, sorted_keys, sorted_values = self._inserted(labels, keys_w, values)
+        touched = labels.unique()
+        stats = self._statistics_of(touched, offsets, sorted_keys, sorted_values)
         for name, part in stats.items():
             whole = getattr(self, name).clone()
             whole[touched] = part
-            fresh[name] = whole
+            stats[name] = whole
         return type(self)(
             geometry=self.geometry,
             order=order,
             offsets=offsets,
             keys_w=sorted_keys,
             values=sorted_values,
-            counts=counts.to(self.counts.dtype),
+            counts=offsets.diff().to(self.counts.dtype),
             exact_read=self.exact_read,
             centroids=self.centroids,
             outlier_distance=self.outlier_distance,
-            **fresh,
+            **stats,
+        )
+
+    def _assign(self, keys_w: torch.Tensor) -> torch.Tensor:
+        """The cluster of each new key: its nearest centroid, or the outlier cluster (the last)
+        when it lies at least `outlier_distance` from it."""
+        labels, distance = _nearest(_points(self.geometry.lift(keys_w, "key")), self.centroids)
+        if self.n_clusters > self.centroids.shape[0]:
+            labels = labels.masked_fill(distance >= self.outlier_distance, self.n_clusters - 1)
+        return labels
+
+    def _inserted(self, labels: torch.Tensor, keys_w: torch.Tensor, values: torch.Tensor):
+        """`(order, offsets, keys_w, values)` sorted by cluster with the new keys at the end of
+        their clusters (position order within a cluster, as `build` sorts): the old arrays cut
+        after each cluster that gains keys, those keys in between (slices copied, no gather over
+        all keys)."""
+        touched, gained = labels.unique(return_counts=True)
+        cuts = self.offsets[touched + 1].tolist()
+        joining = labels.argsort(stable=True).split(gained.tolist())
+        new_ids = torch.arange(self.n_keys, self.n_keys + len(labels), device=self.order.device)
+        order = _spliced(self.order, new_ids, cuts, joining)
+        sorted_keys = _spliced(self.keys_w, keys_w, cuts, joining)
+        sorted_values = _spliced(self.values, values, cuts, joining)
+        counts = self.offsets.diff().index_add(0, touched, gained)
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        return order, offsets, sorted_keys, sorted_values
+
+    def _statistics_of(self, clusters, offsets, sorted_keys, sorted_values) -> dict:
+        """`_cluster_statistics` of some clusters only (their rows, in order)."""
+        members = torch.cat(
+            [torch.arange(offsets[c], offsets[c + 1], device=offsets.device) for c in clusters]
+        )
+        counts = offsets.diff()[clusters]
+        return _cluster_statistics(
+            key_features(self.geometry.lift(sorted_keys[members], "key")),
+            sorted_values[members],
+            torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
+            self.geometry.lift(sorted_keys[:1], "key"),
+            self.rank,
         )
 
     def to_bytes(self) -> bytes:
@@ -347,6 +352,17 @@ def kmeans(
     return torch.from_numpy(clustering.centroids.copy())
 
 
+def _spliced(
+    old: torch.Tensor, new: torch.Tensor, cuts: list[int], joining: list[torch.Tensor]
+) -> torch.Tensor:
+    """`old` cut at each of `cuts`, with the rows `new[joining[i]]` put in after cut i."""
+    parts, previous = [], 0
+    for cut, rows in zip(cuts, joining, strict=True):
+        parts += [old[previous:cut], new[rows]]
+        previous = cut
+    return torch.cat([*parts, old[previous:]])
+
+
 def _points(lifts: list[Lift]) -> torch.Tensor:
     """The points k-means clusters: every lift's vectors, concatenated."""
     return torch.cat([lift.vectors for lift in lifts], dim=-1)
@@ -364,16 +380,13 @@ def _refined(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each point's nearest centroid `(n,)` and its Euclidean distance to it `(n,)`, in blocks
-    of points (bounded memory)."""
-    labels, distances = [], []
-    squared_centroids = centroids.square().sum(-1)
-    for block in points.split(max(1, (1 << 22) // max(1, centroids.shape[0]))):
-        squared = block.square().sum(-1, keepdim=True) - 2 * block @ centroids.T
-        nearest, label = (squared + squared_centroids).min(-1)
-        labels.append(label)
-        distances.append(nearest.clamp_min(0).sqrt())
-    return torch.cat(labels), torch.cat(distances)
+    """Each point's nearest centroid `(n,)` (FAISS's exact search, in float32) and its Euclidean
+    distance to it `(n,)` in the points' dtype."""
+    search = faiss.IndexFlatL2(centroids.shape[-1])
+    search.add(np.ascontiguousarray(centroids.detach().to("cpu", torch.float32).numpy()))
+    _, found = search.search(np.ascontiguousarray(points.detach().to("cpu", torch.float32)), 1)
+    labels = torch.from_numpy(found[:, 0]).long().to(points.device)
+    return labels, (points - centroids[labels]).norm(dim=-1)
 
 
 def _cluster_statistics(
