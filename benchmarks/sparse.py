@@ -405,7 +405,7 @@ def plot(records: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
-    parser.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    parser.add_argument("--datasets", nargs="+", default=["clustered", "tree"], choices=DATASETS)
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")

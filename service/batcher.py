@@ -15,7 +15,11 @@ seconds:
   finished).
 The routes answer both with 429 and `Retry-After`. Each job records its queue wait and its
 compute time (`Job.queue_seconds`, `Job.compute_seconds`; metrics and the `Server-Timing`
-header)."""
+header).
+
+Background jobs (`background`: the index builds a commit starts) run only when no request is
+waiting, one at a time, so that they never delay a request already queued; they are no client's,
+so neither bound applies to them (a request that arrives while one runs waits for it)."""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +63,7 @@ class Job:
     queued_at: float = 0.0
     started_at: float | None = None
     finished_at: float | None = None
+    background: bool = False  # run by `Batcher.background`
 
     @property
     def queue_seconds(self) -> float:
@@ -91,7 +97,8 @@ class Batcher:
         self.max_queue_wait_s = max_queue_wait_s
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-device")
-        self._queue: asyncio.Queue[Job] | None = None
+        self._queue: asyncio.Queue[Job | None] | None = None  # None: a background job waits
+        self._background: deque[Job] = deque()
         self._task: asyncio.Task | None = None
         self.waiting = 0
         self.running = 0
@@ -112,6 +119,23 @@ class Batcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self.executor.shutdown(wait=True)
+
+    async def background(self, job: Job) -> Any:
+        """Run `job` when no request is waiting (module docstring); its result."""
+        if self._queue is None:
+            raise RuntimeError("Batcher.start() was not awaited")
+        job.future = asyncio.get_running_loop().create_future()
+        job.queued_at = time.perf_counter()
+        job.background = True
+        self.waiting += 1
+        self._background.append(job)
+        self._queue.put_nowait(None)  # wakes the dispatcher
+        try:
+            return await job.future
+        finally:
+            if job.started_at is None:  # cancelled before it ran
+                self.waiting -= 1
+                job.future.cancel()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn()` alone on the worker (admission-bounded like every job)."""
@@ -162,16 +186,23 @@ class Batcher:
         assert self._queue is not None
         loop = asyncio.get_running_loop()
         while True:
-            jobs = [await self._queue.get()]
-            if self.batching and self.max_wait > 0:
+            first = await self._queue.get()
+            jobs = [] if first is None else [first]
+            if jobs and self.batching and self.max_wait > 0:
                 await asyncio.sleep(self.max_wait)
             while not self._queue.empty():
-                jobs.append(self._queue.get_nowait())
+                job = self._queue.get_nowait()
+                if job is not None:
+                    jobs.append(job)
             for batch in self._batches(jobs):
                 batch = [job for job in batch if not job.future.done()]  # withdrawn or cancelled
                 if not batch:
                     continue
                 await self._run(loop, batch)
+            while self._background and self._queue.empty():
+                job = self._background.popleft()
+                if not job.future.done():
+                    await self._run(loop, [job])
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[Job]) -> None:
         started = time.perf_counter()
@@ -199,7 +230,7 @@ class Batcher:
         self._call_seconds = 0.8 * self._call_seconds + 0.2 * (finished - started)
         for job in batch:
             job.finished_at = finished
-            if self.metrics is not None:
+            if self.metrics is not None and not job.background:
                 self.metrics.queue_wait.observe(job.queue_seconds)
                 self.metrics.compute.observe(job.compute_seconds)
 

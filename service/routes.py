@@ -521,8 +521,8 @@ def _in_background(app, coroutine) -> None:
 
 
 async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
-    """Load the record's version and build the modes' indexes on the device worker: the
-    seconds it took, or None when the queue refused it (the first attend builds then)."""
+    """Load the record's version and build the modes' indexes on the device worker, when no
+    request is waiting (`Batcher.background`): the seconds it took, None if it failed."""
     engine = app.state.engine
 
     def run(_):
@@ -531,9 +531,7 @@ async def _build(app, namespace: str, record: dict, modes: list[str]) -> float |
         return time.perf_counter() - start
 
     try:
-        return await app.state.batcher.submit(Job(key=None, payload=None, size=1, run=run))
-    except Overloaded:
-        return None
+        return await app.state.batcher.background(Job(key=None, payload=None, size=1, run=run))
     except Exception:  # a store or device failure: the first attend reports it instead
         logger.exception("background index build of %s v%s failed", record["id"], record["version"])
         return None

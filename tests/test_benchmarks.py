@@ -173,3 +173,27 @@ def test_the_benchmark_page_is_generated_from_the_committed_results():
     from benchmarks import report
 
     assert report.PAGE.read_text() == report.render()
+
+
+def test_scaling_benchmark_writes_records_and_a_plot(tmp_path):
+    records = run_benchmark("scaling", tmp_path, "--sizes", "16384", "--datasets", "clustered")
+    assert {r["method"] for r in records} == {"ivf", "tail", "sdpa"}
+    ivf = next(r for r in records if r["method"] == "ivf")
+    assert 0 <= ivf["topk_recall"] <= 1 and ivf["total_seconds"] > ivf["build_seconds"] > 0
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
+def test_appends_benchmark_writes_records_and_a_plot(tmp_path):
+    arguments = ("--tokens", "4096", "--appends", "3", "--rebuild-every", "2")
+    records = run_benchmark("appends", tmp_path, *arguments)
+    assert [r["mode"] for r in records] == ["tail", "topk"]
+    assert all(r["max_out_difference"] == 0.0 and len(r["extended_ms"]) == 3 for r in records)
+    assert (tmp_path / "appends.png").stat().st_size > 0
+
+
+def test_causal_tail_benchmark_writes_records_and_a_plot(tmp_path):
+    arguments = ("--data", "overlapping", "--n", "8192", "--timed-heads", "1", "--rounds", "1")
+    records = run_benchmark("causal_tail", tmp_path, *arguments)
+    assert len(records) == 1 and records[0]["causal_seconds"] > 0
+    assert set(records[0]["causal"]) == {"err_median", "err_p99", "lse_abs_err_median"}
+    assert (tmp_path / "causal_tail.png").stat().st_size > 0

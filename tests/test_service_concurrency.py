@@ -220,6 +220,53 @@ def test_the_batcher_withdraws_a_job_not_started_in_time_and_finishes_started_on
     assert _metric(text, "rewa_jobs_waiting") == 0 and _metric(text, "rewa_jobs_running") == 0
 
 
+def test_background_jobs_run_when_no_request_waits_and_are_never_refused():
+    release = threading.Event()
+    ran = []
+
+    def job(name, wait=False):
+        def run(_):
+            if wait:
+                release.wait(30)
+            ran.append(name)
+            return name
+
+        return run
+
+    async def scenario():
+        metrics = Metrics()
+        batcher = Batcher(batching=False, max_queries=100, max_wait_ms=0, queue_size=10,
+                          max_queue_wait_s=0.2, metrics=metrics)  # fmt: skip
+        await batcher.start()
+        try:
+            first = asyncio.ensure_future(batcher.submit(Job(None, None, 1, job("first", True))))
+            while batcher.running == 0:
+                await asyncio.sleep(0.01)
+            build = asyncio.ensure_future(batcher.background(Job(None, None, 1, job("build"))))
+            await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(batcher.submit(Job(None, None, 1, job("second"))))
+            await asyncio.sleep(0.05)
+            release.set()
+            # The request queued after the background job runs before it; the background job
+            # waited past the 0.2 s bound and still ran.
+            assert await second == "second" and await first == "first"
+            await asyncio.sleep(0.3)
+            assert await build == "build"
+            cancelled = asyncio.ensure_future(batcher.background(Job(None, None, 1, job("x"))))
+            cancelled.cancel()
+            await asyncio.sleep(0.05)
+            assert (batcher.waiting, batcher.running) == (0, 0)
+            return metrics
+        finally:
+            release.set()
+            await batcher.stop()
+
+    metrics = asyncio.run(scenario())
+    assert ran == ["first", "second", "build"]
+    text = metrics.render()[0].decode()
+    assert _metric(text, "rewa_compute_seconds_count") == 2  # requests only
+
+
 def _jobs(sizes, key="same"):
     def run(batch):
         merged = merged_payload(batch)

@@ -161,7 +161,8 @@ def test_sigterm_drains_in_flight_requests(store, tmp_path):
         if store == "embedded"
         else {"redis_url": REDIS_URL, "redis_prefix": prefix}
     )
-    server = Server(**settings, batching="false").start()
+    # No background index build: the four requests alone decide the timing.
+    server = Server(**settings, batching="false", build_on_commit="false").start()
     keys, values, _ = _context_data(n=16384)
     try:
         with server.client() as client:
