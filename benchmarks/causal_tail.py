@@ -10,7 +10,7 @@ Every head of MiniLM layer 5 over the standard library's sources (`benchmarks/te
   the same rows over the whole context (`tail_attention`, 2 %), the target causal tail is held to;
 - speed (on `--timed-heads` heads): causal self-attention of all rows, `causal_tail_attention`
   against exact causal `dense_attention` (PyTorch's fused kernel), interleaved, the fastest of
-  `--rounds`.
+  `--rounds` after a warm-up (`measure.best_times`).
 
 Records `{"head", "causal": {...}, "noncausal": {...}, "causal_seconds", "dense_seconds"}` in
 `benchmarks/results/causal_tail.json` and a PNG.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.data import DATASETS
+from benchmarks.measure import best_times
 from benchmarks.text_data import DEFAULT_LAYER, text_projections
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, causal_tail_attention, quality, tail_attention
@@ -51,17 +51,6 @@ def accuracy(q, k, v, geometry, rows) -> dict:
     clusters = KeyClusters.build(geometry.witness(k), v, geometry)
     out, lse = tail_attention(q[rows], clusters, budget=BUDGET)
     return {"causal": causal, "noncausal": quality(out, lse, *whole)}
-
-
-def fastest(runs: dict, rounds: int) -> dict[str, float]:
-    """The fastest of `rounds` runs of each function, taking turns within each round."""
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -112,7 +101,7 @@ def main() -> None:
             record |= accuracy(q[head], k[head], v[head], geometry, rows)
             if head < args.timed_heads:
                 args_head = (q[head], k[head], v[head], geometry)
-                seconds = fastest({
+                seconds = best_times({
                     "causal": lambda a=args_head: causal_tail_attention(*a, positions),
                     "dense": lambda a=args_head: dense_attention(*a, causal=True),
                 }, args.rounds)  # fmt: skip

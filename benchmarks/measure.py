@@ -42,3 +42,18 @@ def measure(fn: Callable[[], T]) -> tuple[T, float, int]:
     result = fn()
     seconds = time.perf_counter() - start
     return result, seconds, peak_rss_bytes()
+
+
+def best_times(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """The fastest of `rounds` runs of each callable after a warm-up, the callables taking
+    turns within each round: this machine's speed drifts by up to 2x over minutes (other
+    tenants), and interleaving exposes dense and sparse attention to the same drift."""
+    for fn in runs.values():
+        fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best

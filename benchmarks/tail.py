@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.data import DATASETS
+from benchmarks.measure import best_times
 from benchmarks.text_data import DEFAULT_LAYER, text_projections
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, quality, tail_attention
@@ -84,21 +85,6 @@ def geometry_for(name: str, native: dict | None, dim: int):
     if name == "dot":
         return make_geometry("dot", dim)
     return make_geometry(name, dim, temperature="softplus", tau_init=OTHER_TEMPERATURE)
-
-
-def best_times(runs: dict, rounds: int = ROUNDS) -> dict[str, float]:
-    """The fastest of `rounds` runs of each callable after a warm-up, the callables taking
-    turns within each round: this machine's speed drifts by up to 2x over minutes (other
-    tenants), and interleaving exposes dense and sparse attention to the same drift."""
-    for fn in runs.values():
-        fn()
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
 
 
 def run(datasets: list[str], n: int, geometries: list[str], cluster_options: dict) -> list[dict]:
@@ -145,7 +131,7 @@ def measure_head(
             measures = quality(out, lse, *reference, report["keys_read"], n)
             sparse.append({**base, "mode": mode, "budget": budget, **measures})
             runs[(mode, budget)] = functools.partial(tail_attention, q, clusters, **options)
-    seconds = best_times(runs)
+    seconds = best_times(runs, ROUNDS)
     dense["seconds"] = seconds["dense"]
     for record in sparse:
         record["seconds"] = seconds[(record["mode"], record["budget"])]

@@ -520,18 +520,25 @@ def _in_background(app, coroutine) -> None:
     task.add_done_callback(tasks.discard)
 
 
-async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
-    """Load the record's version and build the modes' indexes on the device worker, when no
-    request is waiting (`Batcher.background`): the seconds it took, None if it failed."""
-    engine = app.state.engine
+def _build_job(engine, namespace: str, record: dict, modes: list[str]) -> Job:
+    """A device job that loads the record's version and builds the modes' indexes; its result
+    is the seconds that took."""
 
     def run(_):
         start = time.perf_counter()
         engine.build_indexes(engine.context(namespace, record), modes)
         return time.perf_counter() - start
 
+    return Job(key=None, payload=None, size=1, run=run)
+
+
+async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
+    """`_build_job` on the device worker when no request is waiting (`Batcher.background`):
+    the seconds it took, None if it failed."""
     try:
-        return await app.state.batcher.background(Job(key=None, payload=None, size=1, run=run))
+        return await app.state.batcher.background(
+            _build_job(app.state.engine, namespace, record, modes)
+        )
     except Exception:  # a store or device failure: the first attend reports it instead
         logger.exception("background index build of %s v%s failed", record["id"], record["version"])
         return None
@@ -570,13 +577,8 @@ async def build_index(
     for mode in modes:
         _mode(mode, False, "tail", record)  # tail for a geometry without a lift: 400
     engine = request.app.state.engine
-
-    def run(_):
-        start = time.perf_counter()
-        engine.build_indexes(engine.context(namespace, record), sorted(set(modes)))
-        return time.perf_counter() - start
-
-    seconds = await _compute(request, response, Job(key=None, payload=None, size=1, run=run))
+    job = _build_job(engine, namespace, record, sorted(set(modes)))
+    seconds = await _compute(request, response, job)
     state = engine.index_state(namespace, record)
     return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)
 
