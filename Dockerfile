@@ -2,9 +2,9 @@
 # rewa for GPU nodes (default) or CPU nodes:
 #   docker build -t rewa:gpu .
 #   docker build --build-arg VARIANT=cpu -t rewa:cpu .
-# The Python environment is installed by `make install`, the same target (and so the same
-# pyproject.toml requirements and torch pin) that `make serve` uses; only the torch index and the
-# FAISS extra differ between the variants.
+# The Python environment is installed by `make deps` and `make install`, the targets (and so
+# the pyproject.toml requirements and torch pin) that `make serve` uses; only the torch index
+# and the FAISS extra differ between the variants.
 ARG VARIANT=gpu
 
 # CUDA 12 runtime: torch's CUDA 12 wheels and faiss-gpu-cu12 bring their own CUDA libraries;
@@ -31,7 +31,11 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/rewa
-COPY Makefile pyproject.toml README.md ./
+# The requirements first, in a layer of their own: editing the sources does not reinstall torch.
+COPY Makefile pyproject.toml ./
+RUN make deps VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
+        TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL}
+COPY README.md ./
 COPY attention/ attention/
 COPY index/ index/
 COPY service/ service/

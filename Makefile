@@ -10,7 +10,7 @@ TORCH_INDEX_URL ?=
 # cpu or gpu: the pyproject extra of that name, i.e. which FAISS build (faiss-cpu, faiss-gpu-cu12).
 VARIANT ?= cpu
 
-.PHONY: install serve test lint redis bench clean
+.PHONY: deps install serve test lint redis bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,15 +21,27 @@ $(VENV)/.torch-installed: | $(BIN)/python
 		"$(TORCH_REQUIREMENT)"
 	touch $@
 
-$(VENV)/.serve-installed: pyproject.toml $(VENV)/.torch-installed
-	$(BIN)/pip install --quiet -e ".[$(VARIANT)]"
+# The service's requirements (pyproject.toml's dependencies and the VARIANT extra) without rewa
+# itself: the Dockerfile installs them in a layer of their own, before it copies the sources, so
+# that editing the sources does not reinstall torch.
+$(VENV)/.deps-installed: pyproject.toml $(VENV)/.torch-installed
+	$(BIN)/python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+		print('\n'.join(project['dependencies'] + project['optional-dependencies']['$(VARIANT)']))" \
+		> $(VENV)/requirements.txt
+	$(BIN)/pip install --quiet -r $(VENV)/requirements.txt
+	touch $@
+
+$(VENV)/.serve-installed: pyproject.toml $(VENV)/.deps-installed
+	$(BIN)/pip install --quiet --no-deps -e .
 	touch $@
 
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.torch-installed
 	$(BIN)/pip install --quiet -e ".[$(VARIANT),dev,bench]"
 	touch $@
 
-# What the service needs, nothing more: the Dockerfile runs exactly this.
+# What the service needs, nothing more: the Dockerfile runs exactly these two.
+deps: $(VENV)/.deps-installed
+
 install: $(VENV)/.serve-installed
 
 # The service on port 8000 with the embedded store (settings: REWA_* variables, see README).

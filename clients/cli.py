@@ -118,10 +118,8 @@ def load_arrays(path: Path, names: tuple[str, ...]) -> list[np.ndarray]:
     if path.suffix == ".npz":
         with np.load(path, allow_pickle=False) as archive:
             return [_named(archive, name, path) for name in names]
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        raise ValueError("reading .safetensors needs the safetensors package") from None
+    from safetensors.numpy import load_file  # here: only this command needs it
+
     return [_named(load_file(str(path)), name, path) for name in names]
 
 

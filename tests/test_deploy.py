@@ -91,6 +91,32 @@ def test_the_deployment_probes_drains_and_asks_for_a_gpu():
     assert set(env_of(container)) <= fields
 
 
+def test_every_pod_meets_the_restricted_pod_security_level():
+    """What the Kubernetes "restricted" Pod Security Standard requires of each pod template:
+    non-root, the runtime's seccomp profile, no privilege escalation, every capability
+    dropped."""
+    templates = [
+        document["spec"]["template"]["spec"]
+        for _, document in manifests()
+        if document["kind"] in ("Deployment", "StatefulSet")
+    ]
+    assert len(templates) == 2
+    for pod in templates:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] > 0
+        assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_a_disruption_budget_keeps_a_replica_serving():
+    budget = by_kind("PodDisruptionBudget", "rewa")
+    deployment = by_kind("Deployment", "rewa")
+    assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert 0 < budget["spec"]["minAvailable"] < deployment["spec"]["replicas"]
+
+
 def _app():
     from rewa.service.app import create_app
 
@@ -163,6 +189,10 @@ def test_compose_lists_every_setting_with_a_valid_value(monkeypatch):
     assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
     assert rewa["build"]["context"] == ".." and "VARIANT" in rewa["build"]["args"]
     assert float(rewa["stop_grace_period"].rstrip("s")) > settings.drain_timeout_s
+    # Open by default (no API keys), so published on the loopback interface only by default.
+    assert settings.api_keys == ""
+    (port,) = rewa["ports"]
+    assert re.sub(r"\$\{[A-Z_]+:-(.*?)\}", r"\1", port) == "127.0.0.1:8000:8000"
 
 
 # -- Dockerfile --------------------------------------------------------------------------------
@@ -189,6 +219,30 @@ def test_the_dockerfile_builds_the_gpu_image_as_a_non_root_service():
     assert json.loads(entrypoint) == ["rewa", "serve"]
     runs = [arguments for name, arguments in instructions if name == "RUN"]
     assert any(run.startswith("make install ") for run in runs)
+
+
+def test_the_image_installs_the_requirements_before_it_copies_the_sources():
+    """Editing a source file must not invalidate the layer that installs torch and FAISS."""
+    instructions = dockerfile()
+    deps = next(i for i, (name, a) in enumerate(instructions) if a.startswith("make deps "))
+    copied_before = [
+        source
+        for name, arguments in instructions[:deps]
+        if name == "COPY"
+        for source in shlex.split(arguments)[:-1]
+    ]
+    assert sorted(copied_before) == ["Makefile", "pyproject.toml"]
+
+
+def test_every_imported_package_is_declared():
+    """Third-party modules the service and clients import are in pyproject's dependencies."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for module, requirement in (("safetensors", "safetensors"), ("httpx", "httpx"),
+                                ("fastapi_offline", "fastapi-offline")):  # fmt: skip
+        sources = "\n".join(p.read_text() for p in (ROOT / "clients").glob("*.py"))
+        sources += "\n".join(p.read_text() for p in (ROOT / "service").glob("*.py"))
+        assert re.search(rf"^\s*(from|import) {module}\b", sources, re.MULTILINE), module
+        assert f'"{requirement}>=' in pyproject.split("[project.optional-dependencies]")[0]
 
 
 def copied_paths() -> list[str]:
@@ -229,12 +283,14 @@ def image_environment(tmp_path_factory):
             shutil.copytree(origin, source / path, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(origin, source / path)
-    (run,) = [a for name, a in dockerfile() if name == "RUN" and a.startswith("make install")]
-    make_install = shlex.split(run.split("&&")[0])
-    arguments = [a for a in make_install if not a.startswith(("VENV=", "VARIANT=", "TORCH_"))]
-    command = [*arguments, f"VENV={venv}", "VARIANT=cpu"]
-    finished = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=900)
-    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    makes = [a for name, a in dockerfile() if name == "RUN" and a.startswith("make ")]
+    assert [shlex.split(run)[1] for run in makes] == ["deps", "install"]
+    for run in makes:
+        make = shlex.split(run.split("&&")[0])
+        arguments = [a for a in make if not a.startswith(("VENV=", "VARIANT=", "TORCH_"))]
+        command = [*arguments, f"VENV={venv}", "VARIANT=cpu"]
+        finished = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=900)
+        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     return source, venv
 
 
