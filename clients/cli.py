@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     attend.add_argument("--budget", type=float)
     attend.add_argument("--return-topk", type=int)
     attend.add_argument("--out", type=Path, help=".npz with out, lse (and ids, weights)")
+    attend.add_argument("--json", action="store_true", help="a JSON summary instead of a table")
 
     search = commands.add_parser("search", parents=[common], help="top-K keys of queries")
     search.add_argument("context_id")
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("-k", type=int, default=10)
     search.add_argument("--exact", action="store_true")
     search.add_argument("--out", type=Path, help=".npz with ids, scores (and distances)")
+    search.add_argument("--json", action="store_true", help="every id as JSON, not a table")
 
     bench = commands.add_parser(
         "bench", parents=[common], help="decode-style load on a temporary random context"
@@ -206,6 +208,10 @@ def upload_command(client, args: argparse.Namespace) -> None:
     )
 
 
+SHOWN_ROWS = 20  # (head, query) rows a table prints; --out keeps them all
+SHOWN_IDS = 8  # ids per row a table prints
+
+
 def attend_command(client, args: argparse.Namespace) -> None:
     result = client.attend(
         args.context_id,
@@ -216,17 +222,68 @@ def attend_command(client, args: argparse.Namespace) -> None:
         return_topk=args.return_topk,
     )
     _save(args.out, out=result.out, lse=result.lse, ids=result.ids, weights=result.weights)
-    summary = {"mode": result.mode, "version": result.version, "out_shape": list(result.out.shape)}
-    print(json.dumps(summary))
+    if args.json:
+        summary = {"mode": result.mode, "version": result.version,
+                   "out_shape": list(result.out.shape), "saved": _saved(args.out)}  # fmt: skip
+        print(json.dumps(summary))
+        return
+    heads, n, dv = result.out.shape
+    print(f"context {args.context_id}, version {result.version}, mode {result.mode}: "
+          f"out ({heads}, {n}, {dv}), lse ({heads}, {n})")  # fmt: skip
+    print(f"{'head':>4} {'query':>5} {'lse':>10} {'|out|':>10}" + ("  best ids (weight)"
+          if result.ids is not None else ""))  # fmt: skip
+    norms = np.linalg.norm(np.asarray(result.out, dtype=np.float64), axis=-1)
+    for head, query in _shown_rows(heads, n):
+        line = f"{head:>4} {query:>5} {float(result.lse[head, query]):>10.4f} "
+        line += f"{norms[head, query]:>10.4f}"
+        if result.ids is not None:
+            pairs = zip(result.ids[head, query], result.weights[head, query], strict=True)
+            line += "  " + _shown_ids(f"{int(i)} ({float(w):.3f})" for i, w in pairs if i >= 0)
+        print(line)
+    print(_saved_line(args.out, "out, lse" + (", ids, weights" if result.ids is not None else "")))
 
 
 def search_command(client, args: argparse.Namespace) -> None:
     result = client.search(args.context_id, _queries(args.queries), args.k, exact=args.exact)
     _save(args.out, ids=result.ids, scores=result.scores, distances=result.distances)
-    if args.out is None:
-        print(json.dumps({"ids": result.ids.tolist(), "version": result.version}))
-    else:
-        print(json.dumps({"ids_shape": list(result.ids.shape), "version": result.version}))
+    if args.json:
+        print(json.dumps({"ids": result.ids.tolist(), "version": result.version,
+                          "saved": _saved(args.out)}))  # fmt: skip
+        return
+    heads, n, k = result.ids.shape
+    print(f"context {args.context_id}, version {result.version}: the best {k} keys of {n} "
+          f"queries x {heads} heads")  # fmt: skip
+    print(f"{'head':>4} {'query':>5}  ids (logit)")
+    for head, query in _shown_rows(heads, n):
+        pairs = zip(result.ids[head, query], result.scores[head, query], strict=True)
+        shown = _shown_ids(f"{int(i)} ({float(s):.3f})" for i, s in pairs if i >= 0)
+        print(f"{head:>4} {query:>5}  {shown}")
+    print(_saved_line(args.out, "ids, scores" + (", distances" if result.distances is not None
+                                                  else "")))  # fmt: skip
+
+
+def _shown_rows(heads: int, n: int):
+    """The first `SHOWN_ROWS` (head, query) pairs, then a line saying how many are left out."""
+    for row in range(min(heads * n, SHOWN_ROWS)):
+        yield divmod(row, n)
+    if heads * n > SHOWN_ROWS:
+        print(f"... {heads * n - SHOWN_ROWS} more rows")
+
+
+def _shown_ids(items) -> str:
+    items = list(items)
+    more = f"  +{len(items) - SHOWN_IDS} more" if len(items) > SHOWN_IDS else ""
+    return "  ".join(items[:SHOWN_IDS]) + more
+
+
+def _saved(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _saved_line(path: Path | None, arrays: str) -> str:
+    if path is None:
+        return f"(not saved: --out FILE.npz saves {arrays} in full)"
+    return f"saved {arrays} to {path}"
 
 
 def bench_command(client, args: argparse.Namespace) -> None:

@@ -302,8 +302,23 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
         _close(saved["out"], expected[0])
         _close(saved["lse"], expected[1])
     found = json.loads(_cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "-k", "3",
-                            "--exact", *url))  # fmt: skip
+                            "--exact", "--json", *url))  # fmt: skip
     assert np.array(found["ids"]).shape == (H, 4, 3)
+    best = exact_topk(torch.from_numpy(queries[0, 0]).unsqueeze(0),
+                      torch.from_numpy(all_keys[0]), make_geometry("dot", D), 3)  # fmt: skip
+    assert found["ids"][0][0] == best[0].tolist()
+    # Tables a person reads: every row of this small result, ids with their logits or weights.
+    table = _cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "-k", "3", "--exact",
+                 *url).splitlines()  # fmt: skip
+    assert table[0].endswith("the best 3 keys of 4 queries x 2 heads") and len(table) == 2 + 8 + 1
+    assert table[2].split()[:3] == ["0", "0", str(best[0, 0].item())]
+    assert table[-1].startswith("(not saved: --out FILE.npz")
+    table = _cli(capsys, *argv, "--return-topk", "2", *url).splitlines()
+    assert "mode exact" in table[0] and "best ids (weight)" in table[1]
+    lse = float(table[2].split()[2])
+    assert abs(lse - expected[1][0, 0].item()) < 1e-3
+    summary = json.loads(_cli(capsys, *argv, "--json", "--out", str(tmp_path / "o.npz"), *url))
+    assert summary["saved"] == str(tmp_path / "o.npz") and summary["out_shape"] == [H, 4, D]
 
     bench = json.loads(_cli(capsys, "bench", "--tokens", "1024", "--heads", "2", "--head-dim",
                             "16", "--clients", "2", "--requests", "3", *url))  # fmt: skip
