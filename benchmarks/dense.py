@@ -92,7 +92,8 @@ def plot(records: list[dict], path: Path) -> None:
     thread_counts = sorted({r["threads"] for r in records})
     sizes = sorted({r["n"] for r in records})
     series = [(m, g) for m, g, _, _ in methods(64) if m != "sdpa"]
-    fig, axes = plt.subplots(1, len(thread_counts), figsize=(6.5 * len(thread_counts), 5))
+    fig, axes = plt.subplots(1, len(thread_counts), figsize=(6.5 * len(thread_counts) + 1.5, 5),
+                             layout="constrained")  # fmt: skip
     axes = [axes] if len(thread_counts) == 1 else list(axes)
     width = 0.8 / len(series)
     colours = plt.get_cmap("tab10")
@@ -118,9 +119,11 @@ def plot(records: list[dict], path: Path) -> None:
         ax.axhline(3.0, color="grey", linestyle="--", linewidth=1, label="target 3x")
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(n) for n in sizes])
         ax.set(xlabel="tokens N (self-attention, d = 64, one head)", ylabel="time / SDPA time")
-        ax.set_title(f"Exact dense attention, CPU, {threads} thread(s)", fontsize=10)
-        ax.legend(fontsize=7, ncol=2, loc="upper left")
-    fig.tight_layout()
+        plural = "thread" if threads == 1 else "threads"
+        ax.set_title(f"Exact dense attention, CPU, {threads} {plural}", fontsize=10)
+    # One legend outside the panels: inside, it hid the tallest bars.
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.savefig(path, dpi=120)
 
 
@@ -132,7 +135,11 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "dense.json").read_text()), args.out / "dense.png")
+        return
     thread_counts = args.threads or sorted({1, torch.get_num_threads()})
     args.out.mkdir(parents=True, exist_ok=True)
     records = run(args.sizes, thread_counts, args.rounds)

@@ -147,7 +147,8 @@ def plot(records: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     datasets = sorted({r["dataset"] for r in records})
-    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
+    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets) + 1.5, 4),
+                                squeeze=False, layout="constrained")  # fmt: skip
     for axis, dataset in zip(axes[0], datasets, strict=True):
         for geometry in GEOMETRIES:
             for mode, style in (("tail", "-"), ("topk", "--")):
@@ -175,9 +176,10 @@ def plot(records: list[dict], path: Path) -> None:
         axis.set_xlabel("keys read (%)")
         axis.set_ylabel("median relative output error (worst head)")
         axis.set_title(dataset)
-        axis.axhline(0.05, color="grey", linewidth=0.8)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
+        axis.axhline(0.05, color="grey", linewidth=0.8, label="target median 0.05")
+    # One legend outside the panels (inside, it hid curves); colours are the same in each.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside right upper", fontsize=7)
     figure.savefig(path, dpi=120)
 
 
@@ -192,7 +194,11 @@ def main() -> None:
     parser.add_argument(
         "--outliers", type=float, help="keys read by every query; default: KeyClusters.build's"
     )
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((args.out / "tail.json").read_text()), args.out / "tail.png")
+        return
     torch.manual_seed(0)
     cluster_options = {}
     if args.keys_per_cluster:
