@@ -229,22 +229,22 @@ class KeyClusters:
     @torch.no_grad()
     def extend(self, keys_w: torch.Tensor, values: torch.Tensor, **build_options) -> KeyClusters:
         """The representation of these keys followed by `keys_w` `(m, d_w)` and `values`
-        `(m, dv)`: equal to `build` over all of them (with `build_options`). The new keys are
-        assigned to the trained centroids and only the clusters they join are recomputed; when
-        the trained prefix moves (`growth.retrains`), everything is built again."""
+        `(m, dv)`: equal to `build` over all of them, given the `build_options` this
+        representation was built with (the rank is its own). The new keys are assigned to the
+        trained centroids and only the clusters they join are recomputed; when the trained
+        prefix moves (`growth.retrains`), everything is built again with those options."""
         n_old, m = self.n_keys, keys_w.shape[0]
         if m == 0:
             return self
         keys_w, values = keys_w.to(self.keys_w.dtype), values.to(self.values.dtype)
-        if retrains(n_old, n_old + m) or build_options.get("rank", self.rank) != self.rank:
+        if retrains(n_old, n_old + m):
             all_keys = torch.empty_like(self.keys_w).index_copy_(0, self.order, self.keys_w)
             all_values = torch.empty_like(self.values).index_copy_(0, self.order, self.values)
             return type(self).build(
                 torch.cat([all_keys, keys_w]),
                 torch.cat([all_values, values]),
                 self.geometry,
-                rank=self.rank,
-                **build_options,
+                **{"rank": self.rank, **build_options},
             )
         labels = self._assign(keys_w)
         order, offsets, sorted_keys, sorted_values = self._inserted(labels, keys_w, values)

@@ -19,7 +19,9 @@ header).
 
 Background jobs (`background`: the index builds a commit starts) run only when no request is
 waiting, one at a time, so that they never delay a request already queued; they are no client's,
-so neither bound applies to them (a request that arrives while one runs waits for it)."""
+so neither bound applies to them and they do not count as waiting (a request that arrives while
+one runs waits for it). A background job with the `replaces` of one still waiting replaces it:
+with a commit per decoded token, only the newest version's build is worth running."""
 
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     background: bool = False  # run by `Batcher.background`
+    replaces: Hashable | None = None  # a waiting background job with the same value is dropped
 
     @property
     def queue_seconds(self) -> float:
@@ -121,20 +124,24 @@ class Batcher:
         self.executor.shutdown(wait=True)
 
     async def background(self, job: Job) -> Any:
-        """Run `job` when no request is waiting (module docstring); its result."""
+        """Run `job` when no request is waiting (module docstring); its result, or None when a
+        later background job with the same `replaces` replaced it before it started."""
         if self._queue is None:
             raise RuntimeError("Batcher.start() was not awaited")
         job.future = asyncio.get_running_loop().create_future()
         job.queued_at = time.perf_counter()
         job.background = True
-        self.waiting += 1
+        if job.replaces is not None:
+            for replaced in [w for w in self._background if w.replaces == job.replaces]:
+                self._background.remove(replaced)
+                if not replaced.future.done():
+                    replaced.future.set_result(None)
         self._background.append(job)
         self._queue.put_nowait(None)  # wakes the dispatcher
         try:
             return await job.future
         finally:
-            if job.started_at is None:  # cancelled before it ran
-                self.waiting -= 1
+            if not job.future.done():  # cancelled before it ran
                 job.future.cancel()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
@@ -208,7 +215,7 @@ class Batcher:
         started = time.perf_counter()
         for job in batch:
             job.started_at = started
-        self.waiting -= len(batch)
+        self.waiting -= sum(not job.background for job in batch)
         self.running += len(batch)
         self._gauge()
         try:

@@ -359,9 +359,12 @@ class Engine:
     def build_indexes(self, loaded: LoadedContext, modes: list[str]) -> None:
         """Build what the modes need now (the clusters for tail, the search index for topk)
         rather than at their first attend; what is built already stays."""
-        for mode in modes:
-            with torch.no_grad():
-                self.clusters(loaded) if mode == "tail" else self.search_index(loaded)
+        with torch.no_grad():
+            for mode in modes:
+                if mode == "tail":
+                    self.clusters(loaded)
+                else:
+                    self.search_index(loaded)
 
     def _observe_build(self, kind: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -430,7 +433,7 @@ class Engine:
                 k,
                 v,
                 loaded.geometry,
-                index=index or "clusters",
+                index="clusters" if index is None else index,
                 tail=True,
                 budget=params.budget,
                 window=params.window,

@@ -529,12 +529,12 @@ def _build_job(engine, namespace: str, record: dict, modes: list[str]) -> Job:
         engine.build_indexes(engine.context(namespace, record), modes)
         return time.perf_counter() - start
 
-    return Job(key=None, payload=None, size=1, run=run)
+    return Job(key=None, payload=None, size=1, run=run, replaces=(namespace, record["id"]))
 
 
 async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
     """`_build_job` on the device worker when no request is waiting (`Batcher.background`):
-    the seconds it took, None if it failed."""
+    the seconds it took, None if a later commit's build replaced it or it failed."""
     try:
         return await app.state.batcher.background(
             _build_job(app.state.engine, namespace, record, modes)

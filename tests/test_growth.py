@@ -12,7 +12,7 @@ import torch
 
 from rewa.attention import make_geometry
 from rewa.index import KeyClusters, build_index
-from rewa.index.growth import TRAINING_BASE, retrains, trained_prefix
+from rewa.index.growth import retrains, trained_prefix
 from rewa.index.tail import tail_attention
 
 
@@ -62,6 +62,18 @@ def test_extended_clusters_equal_clusters_built_at_once(geometry):
     torch.testing.assert_close((out, lse), expected)
 
 
+def test_a_retraining_extension_keeps_the_options_of_the_build():
+    g = make_geometry("dot", 16)
+    k, v = _keys(8300)
+    options = {"outliers": 0.01, "rank": 2, "iterations": 5}
+    grown = KeyClusters.build(g.witness(k[:8000]), v[:8000], g, **options)
+    grown = grown.extend(g.witness(k[8000:8192]), v[8000:8192], outliers=0.01, iterations=5)
+    whole = KeyClusters.build(g.witness(k[:8192]), v[:8192], g, **options)
+    assert grown.rank == 2 and int(grown.counts[-1]) == int(whole.counts[-1]) == 81
+    assert torch.equal(grown.order, whole.order)
+    torch.testing.assert_close(grown.factor, whole.factor)
+
+
 def test_appended_keys_far_from_every_centre_join_the_outlier_cluster():
     g = make_geometry("dot", 16)
     k, v = _keys(5000)
@@ -97,7 +109,6 @@ def test_an_ivf_index_trains_on_the_prefix_only():
     k, _ = _keys(12000)
     index = build_index(k, g, "ivf")
     assert len(index.parts[0].lists()) == trained_prefix(12000) // 256 == 8192 // 256
-    assert TRAINING_BASE == 4096
 
 
 def test_extending_with_fewer_keys_than_indexed_is_refused():

@@ -256,15 +256,34 @@ def test_background_jobs_run_when_no_request_waits_and_are_never_refused():
             cancelled.cancel()
             await asyncio.sleep(0.05)
             assert (batcher.waiting, batcher.running) == (0, 0)
+            # While the worker is busy: builds of one context replace each other (the older
+            # answers None and never runs), and none counts as a waiting request.
+            release.clear()
+            busy = asyncio.ensure_future(batcher.submit(Job(None, None, 1, job("busy", True))))
+            while batcher.running == 0:
+                await asyncio.sleep(0.01)
+            builds = [
+                asyncio.ensure_future(batcher.background(
+                    Job(None, None, 1, job(f"v{version}"), replaces="context")))
+                for version in (1, 2, 3)
+            ]  # fmt: skip
+            other = asyncio.ensure_future(
+                batcher.background(Job(None, None, 1, job("other"), replaces="another"))
+            )
+            await asyncio.sleep(0.05)
+            assert batcher.waiting == 0
+            release.set()
+            assert [await b for b in builds] == [None, None, "v3"]
+            assert await other == "other" and await busy == "busy"
             return metrics
         finally:
             release.set()
             await batcher.stop()
 
     metrics = asyncio.run(scenario())
-    assert ran == ["first", "second", "build"]
+    assert ran == ["first", "second", "build", "busy", "v3", "other"]
     text = metrics.render()[0].decode()
-    assert _metric(text, "rewa_compute_seconds_count") == 2  # requests only
+    assert _metric(text, "rewa_compute_seconds_count") == 3  # requests only
 
 
 def _jobs(sizes, key="same"):
