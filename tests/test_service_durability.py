@@ -161,8 +161,11 @@ def test_sigterm_drains_in_flight_requests(store, tmp_path):
         if store == "embedded"
         else {"redis_url": REDIS_URL, "redis_prefix": prefix}
     )
-    # No background index build: the four requests alone decide the timing.
-    server = Server(**settings, batching="false", build_on_commit="false").start()
+    # No background index build, and no queue-time bound (about 1.5 s each, the fourth request
+    # starts near REWA_MAX_QUEUE_WAIT_S's default 5 s): this test is about draining.
+    server = Server(
+        **settings, batching="false", build_on_commit="false", max_queue_wait_s="120"
+    ).start()
     keys, values, _ = _context_data(n=16384)
     try:
         with server.client() as client:
