@@ -23,21 +23,69 @@ __all__ = ["RemoteMemory", "ShardedMemory", "merge_attention"]
 
 class RemoteMemory(nn.Module):
     """Attention of queries `(heads, n, head_dim)` over the context `context_id` of a rewa
-    service: `forward(queries) -> (out (heads, n, value_dim), lse (heads, n))`, on the queries'
-    device and dtype. `mode` and the other options are the attend endpoint's (`tail` by
-    default; `exact` for dense attention over the whole context).
+    service: `attend(queries)` (or calling the module) returns `(out (heads, n, value_dim), lse
+    (heads, n))` on the queries' device and dtype. `mode` and the other options are the attend
+    endpoint's (`tail` by default; `exact` for dense attention over the whole context).
+
+    It has the interface of the in-process `rewa.index.LocalMemory`: `append(keys, values)`
+    commits tokens (one new version of the context; the service extends its indexes), `n_tokens`,
+    and `close()`, which deletes the context when this memory created it (`RemoteMemory.create`).
 
     The remote keys and values are constants and no gradient flows through the HTTP call: the
     outputs are detached. Use it where the memory is read, not trained."""
 
-    def __init__(self, client: Client, context_id: str, *, mode: str = "tail", **options: Any):
+    def __init__(
+        self,
+        client: Client,
+        context_id: str,
+        *,
+        mode: str = "tail",
+        owned: bool = False,
+        **options: Any,
+    ):
         super().__init__()
         self.client = client
         self.context_id = context_id
         self.mode = mode
         self.options = options
+        self.owned = owned
+        self._n_tokens: int | None = None
 
-    def forward(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def create(
+        cls,
+        client: Client,
+        heads: int,
+        head_dim: int,
+        *,
+        value_dim: int | None = None,
+        geometry: str | dict = "dot",
+        mode: str = "tail",
+        name: str | None = None,
+        **options: Any,
+    ) -> RemoteMemory:
+        """A new empty context on the service, owned by the memory (`close()` deletes it);
+        `options` are the attend endpoint's (`budget`, `k`, ...)."""
+        context = client.create_context(
+            heads, head_dim, geometry=geometry, value_dim=value_dim, name=name
+        )
+        memory = cls(client, context["id"], mode=mode, owned=True, **options)
+        memory._n_tokens = 0
+        return memory
+
+    @property
+    def n_tokens(self) -> int:
+        if self._n_tokens is None:
+            self._n_tokens = self.client.get_context(self.context_id)["n_tokens"]
+        return self._n_tokens
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Commit keys `(heads, n, head_dim)` and values `(heads, n, value_dim)` as the next
+        version of the context (nothing of them is visible if the upload fails)."""
+        context = self.client.upload(self.context_id, keys.detach(), values.detach())
+        self._n_tokens = context["n_tokens"]
+
+    def attend(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if queries.dim() != 3:
             raise ValueError(f"expected queries (heads, n, head_dim), got {tuple(queries.shape)}")
         result = self.client.attend(
@@ -47,6 +95,16 @@ class RemoteMemory(nn.Module):
             result.out.to(queries.device, queries.dtype),
             result.lse.to(queries.device, queries.dtype),
         )
+
+    def forward(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attend(queries)
+
+    def close(self) -> None:
+        """Delete the context if this memory created it; otherwise leave it."""
+        if self.owned:
+            self.client.delete_context(self.context_id)
+            self.owned = False
+        self._n_tokens = None
 
     def extra_repr(self) -> str:
         return f"context_id={self.context_id!r}, mode={self.mode!r}, url={self.client.url!r}"

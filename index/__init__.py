@@ -7,6 +7,7 @@ from .candidates import CandidateSet, build_candidates, query_positions, window_
 from .causal import causal_tail_attention
 from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
+from .growth import appended
 from .lsh import BoundaryProjectionHash, CompositeLSH, GridHash, SimHash
 from .measures import (
     dense_entropy,
@@ -17,6 +18,7 @@ from .measures import (
     summary,
     topk_recall,
 )
+from .memory import LocalMemory
 from .retrieval import (
     build_index,
     index_from_bytes,
@@ -36,7 +38,9 @@ __all__ = [
     "IndexSettings",
     "KeyClusters",
     "LiftIndex",
+    "LocalMemory",
     "SimHash",
+    "appended",
     "build_candidates",
     "build_index",
     "causal_tail_attention",

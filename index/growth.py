@@ -10,6 +10,8 @@ twice one build over the context's life.
 
 from __future__ import annotations
 
+import torch
+
 TRAINING_BASE = 4096
 
 
@@ -24,3 +26,22 @@ def trained_prefix(n_keys: int) -> int:
 def retrains(old_keys: int, new_keys: int) -> bool:
     """Whether growing from `old_keys` to `new_keys` keys moves the trained prefix."""
     return trained_prefix(old_keys) != trained_prefix(new_keys)
+
+
+# Spare capacity of a key or value buffer when an append outgrows it: amortised, each element is
+# copied 1 / (GROWTH - 1) times.
+GROWTH = 1.25
+
+
+def appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor:
+    """`buffer[:, :used]` followed by `new` along dimension 1: written into `buffer` when it has
+    room (what lies before `used` is never touched, so views of earlier versions stay valid),
+    else into a larger buffer."""
+    needed = used + new.shape[1]
+    if needed > buffer.shape[1]:
+        capacity = max(needed, int(buffer.shape[1] * GROWTH))
+        grown = buffer.new_empty(buffer.shape[0], capacity, buffer.shape[2])
+        grown[:, :used] = buffer[:, :used]
+        buffer = grown
+    buffer[:, used:needed] = new
+    return buffer

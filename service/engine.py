@@ -27,6 +27,7 @@ import torch
 from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
 from rewa.index import (
     KeyClusters,
+    appended,
     build_index,
     exact_topk,
     index_from_bytes,
@@ -67,23 +68,6 @@ def intra_op_threads(count: int) -> Iterator[None]:
 
 
 GEOMETRY_SEED = 0
-# Spare capacity of the key and value buffers when an append outgrows them: amortised, each
-# element is copied 1 / (GROWTH - 1) times.
-GROWTH = 1.25
-
-
-def _appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor:
-    """`buffer[:, :used]` followed by `new` along dimension 1: written into `buffer` when it has
-    room (what lies before `used` is never touched, so views of earlier versions stay valid),
-    else into a larger buffer."""
-    needed = used + new.shape[1]
-    if needed > buffer.shape[1]:
-        capacity = max(needed, int(buffer.shape[1] * GROWTH))
-        grown = buffer.new_empty(buffer.shape[0], capacity, buffer.shape[2])
-        grown[:, :used] = buffer[:, :used]
-        buffer = grown
-    buffer[:, used:needed] = new
-    return buffer
 
 
 def _index_bytes(loaded: LoadedContext) -> int:
@@ -240,8 +224,8 @@ class Engine:
         new_segments = record["segments"][len(earlier.record["segments"]) :]
         new_k, new_v = self._read_segments(namespace, record, new_segments)
         n_old, n = earlier.n_tokens, earlier.n_tokens + new_k.shape[1]
-        key_buffer = _appended(earlier.key_buffer, n_old, new_k)
-        value_buffer = _appended(earlier.value_buffer, n_old, new_v)
+        key_buffer = appended(earlier.key_buffer, n_old, new_k)
+        value_buffer = appended(earlier.value_buffer, n_old, new_v)
         loaded = LoadedContext(
             key=(namespace, record["id"], record["version"]),
             record=record,

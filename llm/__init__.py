@@ -1,0 +1,23 @@
+"""rewa.llm: rewa as the attention memory of a language model. `RewaCache` and the `"rewa"`
+attention implementation plug a memory (in process or over HTTP) into a Hugging Face
+transformers model (docs/llm.md)."""
+
+from .transformers_memory import (
+    AttentionMemory,
+    MemoryLayer,
+    RewaCache,
+    enable,
+    local_memories,
+    register,
+    remote_memories,
+)
+
+__all__ = [
+    "AttentionMemory",
+    "MemoryLayer",
+    "RewaCache",
+    "enable",
+    "local_memories",
+    "register",
+    "remote_memories",
+]

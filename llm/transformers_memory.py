@@ -1,0 +1,342 @@
+"""rewa as the long-context memory of a Hugging Face transformers model (docs/llm.md).
+
+`RewaCache` is a transformers `Cache`. Each chosen layer keeps the first `sinks` tokens and the
+most recent ones (at least `window`) with the model, and moves older tokens, `spill` or more at
+a time, into an attention memory: a `LocalMemory` in the process or a `RemoteMemory` on a rewa
+service, made per layer by the cache's memory factory. The attention implementation `"rewa"`
+(`enable(model)` registers it and switches the model to it) computes each query's attention as
+two parts, the local keys exactly (causal) and the memory (`memory.attend`), and merges them by
+their log-sum-exps (`merge_attention`, docs/mathematics.md 7): with an exact memory the result
+is full attention; with a tail memory it is full attention with the far past estimated.
+
+Queries of a long prompt are taken `spill` at a time, and before each block the keys that left
+every query's window are spilled, so the local part stays bounded by `sinks + window + 2 spill`
+keys whatever the prompt's length. Grouped-query heads are folded into the memory's queries:
+kv head h is asked with the queries of its whole group. Keys are stored as the model computes
+them (after rotary embeddings), so the memory needs no positions.
+
+How the attention function finds its layer's memory: the model calls `cache.update` and then
+the attention function, in the same layer and thread; `update` leaves the layer in a context
+variable that the attention function takes (and clears). A layer the cache holds without memory
+(a chosen subset of layers) attends its cached keys exactly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+
+from rewa.attention import merge_attention
+from rewa.clients import RemoteMemory
+from rewa.index import LocalMemory
+
+ATTENTION_NAME = "rewa"
+DEFAULT_WINDOW = 512
+DEFAULT_SINKS = 4
+DEFAULT_SPILL = 256
+
+
+class AttentionMemory(Protocol):
+    """What a layer's memory does: `rewa.index.LocalMemory` (in process) and
+    `rewa.clients.RemoteMemory` (over HTTP) both are one."""
+
+    @property
+    def n_tokens(self) -> int: ...
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+
+    def attend(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def close(self) -> None: ...
+
+
+# (layer index, kv heads, head_dim, value_dim, logit scale) -> the layer's memory, whose logits
+# must be `scale * <q, k>` (the dot geometry with that scale).
+MemoryFactory = Callable[[int, int, int, int, float], AttentionMemory]
+
+_CURRENT: ContextVar[MemoryLayer | None] = ContextVar("rewa_memory_layer", default=None)
+
+
+class MemoryLayer(DynamicLayer):
+    """One layer's cache: sinks and recent tokens in `keys`/`values` `(1, kv_heads, n_local,
+    head_dim)`, older ones in `memory` (created at the first spill). Token positions: the sinks
+    are `[0, sinks)`, the memory holds `[sinks, sinks + n_spilled)`, the recent tokens follow."""
+
+    is_croppable = False
+
+    def __init__(
+        self, layer_idx: int, memory_factory: MemoryFactory, *, window: int, sinks: int, spill: int
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.memory_factory = memory_factory
+        self.window, self.sinks, self.spill = window, sinks, spill
+        self.memory: AttentionMemory | None = None
+        self.n_seen = 0
+        self.n_spilled = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise ValueError(
+                f"rewa memory holds one sequence: batch size 1, got {key_states.shape[0]}"
+            )
+        keys, values = super().update(key_states, value_states)
+        self.n_seen += key_states.shape[-2]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.n_seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_seen + query_length, 0
+
+    def local_positions(self) -> torch.Tensor:
+        """The sequence position of each local key."""
+        sinks = min(self.sinks, self.n_seen)
+        recent = torch.arange(self.sinks + self.n_spilled, self.n_seen)
+        return torch.cat([torch.arange(sinks), recent]).to(self.keys.device)
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Attention of the newest `m` tokens' queries `(1, q_heads, m, head_dim)` over every
+        token so far: `(1, m, q_heads, value_dim)` in the query's dtype."""
+        _, q_heads, m, head_dim = query.shape
+        kv_heads = self.keys.shape[1]
+        if q_heads % kv_heads:
+            raise ValueError(f"{q_heads} query heads do not share {kv_heads} key/value heads")
+        group = q_heads // kv_heads
+        first = self.n_seen - m
+        outs = []
+        for start in range(first, self.n_seen, self.spill):
+            end = min(start + self.spill, self.n_seen)
+            self._spill_before(start, scaling)
+            block = query[0, :, start - first : end - first].float()
+            # Grouped heads: kv head h answers query heads h * group ... (h + 1) * group - 1.
+            grouped = block.reshape(kv_heads, group * (end - start), head_dim)
+            positions = torch.arange(start, end, device=query.device).repeat(group)
+            parts = [self._local_attention(grouped, positions, end, scaling)]
+            if self.n_spilled:
+                out, lse = self.memory.attend(grouped)
+                parts.append((out.to(grouped.device), lse.to(grouped.device)))
+            out, _ = merge_attention(*parts)
+            outs.append(out.reshape(q_heads, end - start, -1))
+        return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+    def _local_attention(self, grouped, positions, end, scaling):
+        """Exact causal attention of grouped queries over the local keys before `end`."""
+        key_positions = self.local_positions()
+        visible = int((key_positions < end).sum())
+        keys = self.keys[0, :, :visible].float()
+        values = self.values[0, :, :visible].float()
+        logits = (grouped @ keys.transpose(-1, -2)) * scaling
+        future = key_positions[:visible].unsqueeze(0) > positions.unsqueeze(1)
+        logits = logits.masked_fill(future, -math.inf)
+        lse = torch.logsumexp(logits, dim=-1)
+        out = torch.softmax(logits, dim=-1) @ values
+        return out, lse
+
+    def _spill_before(self, position: int, scaling: float) -> None:
+        """Move the recent tokens before `position - window` (none of the queries from
+        `position` on has them in its window) into the memory, once `spill` of them wait."""
+        start = self.sinks + self.n_spilled
+        count = position - self.window - start
+        if count < self.spill:
+            return
+        if self.memory is None:
+            _, kv_heads, _, head_dim = self.keys.shape
+            value_dim = self.values.shape[-1]
+            self.memory = self.memory_factory(
+                self.layer_idx, kv_heads, head_dim, value_dim, scaling
+            )
+        moved = slice(self.sinks, self.sinks + count)
+        self.memory.append(self.keys[0, :, moved], self.values[0, :, moved])
+        self.keys = torch.cat([self.keys[:, :, : self.sinks], self.keys[:, :, moved.stop :]], 2)
+        self.values = torch.cat(
+            [self.values[:, :, : self.sinks], self.values[:, :, moved.stop :]], 2
+        )
+        self.n_spilled += count
+
+    def close(self) -> None:
+        """Free the memory (a remote one it created is deleted) and forget every token."""
+        if self.memory is not None:
+            self.memory.close()
+        self.memory = None
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.n_seen = self.n_spilled = 0
+
+    def reset(self) -> None:
+        self.close()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a rewa memory layer cannot be cropped (tokens in memory stay there)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("rewa memory holds one sequence: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise ValueError("rewa memory holds one sequence: batch size 1")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("rewa memory holds one sequence: batch size 1")
+
+
+class RewaCache(Cache):
+    """The cache of a model whose attention implementation is `"rewa"` (`enable`): the layers in
+    `layers` (default: every layer) keep `sinks` and at least `window` recent tokens and spill
+    older ones into a memory made by `memory(layer, kv_heads, head_dim, value_dim, scale)`
+    (`local_memories`, `remote_memories`); other layers keep every token. One sequence (batch
+    size 1). `close()` (or leaving a `with` block) frees every layer's memory."""
+
+    def __init__(
+        self,
+        config: Any,
+        memory: MemoryFactory,
+        *,
+        window: int = DEFAULT_WINDOW,
+        sinks: int = DEFAULT_SINKS,
+        spill: int = DEFAULT_SPILL,
+        layers: Iterable[int] | None = None,
+    ) -> None:
+        if window < 0 or sinks < 0 or spill < 1:
+            raise ValueError(
+                f"expected window >= 0, sinks >= 0 and spill >= 1, got {window}, {sinks}, {spill}"
+            )
+        n_layers = config.get_text_config().num_hidden_layers
+        chosen = set(range(n_layers)) if layers is None else set(layers)
+        outside = sorted(chosen - set(range(n_layers)))
+        if outside:
+            raise ValueError(f"layers {outside} are not among the model's {n_layers} layers")
+        super().__init__(
+            layers=[
+                MemoryLayer(i, memory, window=window, sinks=sinks, spill=spill)
+                if i in chosen
+                else DynamicLayer()
+                for i in range(n_layers)
+            ]
+        )
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        layer = self.layers[layer_idx]
+        _CURRENT.set(layer if isinstance(layer, MemoryLayer) else None)
+        return keys, values
+
+    @property
+    def memory_layers(self) -> list[MemoryLayer]:
+        return [layer for layer in self.layers if isinstance(layer, MemoryLayer)]
+
+    def close(self) -> None:
+        for layer in self.memory_layers:
+            layer.close()
+
+    def __enter__(self) -> RewaCache:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
+def rewa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The `"rewa"` attention implementation: query `(1, q_heads, m, d)`, the cache's keys and
+    values `(1, kv_heads, n, d)`; returns `((1, m, q_heads, dv), None)`."""
+    if query.shape[0] != 1:
+        raise ValueError(f"rewa attention runs one sequence: batch size 1, got {query.shape[0]}")
+    if dropout:
+        raise ValueError("rewa attention is for inference: call model.eval() (no dropout)")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    layer = _CURRENT.get()
+    _CURRENT.set(None)
+    if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
+        return layer.attend(query, scaling), None
+    return _exact_causal(query, key, value, scaling), None
+
+
+def _exact_causal(query, key, value, scaling):
+    """Full causal attention, the queries being the last `m` of the `n` keys' positions."""
+    group = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(group, dim=1)
+    value = value.repeat_interleave(group, dim=1)
+    m, n = query.shape[-2], key.shape[-2]
+    allowed = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, scale=scaling
+    )
+    return out.transpose(1, 2)
+
+
+def rewa_mask(
+    batch_size: int,
+    *args: Any,
+    mask_function: Callable = causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> None:
+    """The mask of the `"rewa"` implementation: none (it masks causally itself), after checking
+    that the model asks for nothing else: one unpadded causal sequence."""
+    if batch_size != 1:
+        raise ValueError(f"rewa attention runs one sequence: batch size 1, got {batch_size}")
+    if mask_function is not causal_mask_function:
+        raise ValueError(
+            "rewa attention supports plain causal attention only (no sliding window, "
+            "bidirectional or packed masks)"
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("rewa attention runs one unpadded sequence: the attention mask has zeros")
+    return None
+
+
+def register() -> None:
+    """Make `"rewa"` an attention implementation transformers knows (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, rewa_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, rewa_mask)
+
+
+def enable(model: PreTrainedModel) -> PreTrainedModel:
+    """Register the `"rewa"` attention and switch `model` to it; returns the model."""
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return model
+
+
+def local_memories(**options: Any) -> MemoryFactory:
+    """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, k, device...)."""
+
+    def make(layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
+        return LocalMemory(
+            heads, head_dim, value_dim=value_dim, geometry="dot", scale=scale, **options
+        )
+
+    return make
+
+
+def remote_memories(client: Any, **options: Any) -> MemoryFactory:
+    """A memory factory of `RemoteMemory`s, one new context per layer on the service `client`
+    speaks to (`options`: mode, budget, k...); `RewaCache.close()` deletes them."""
+
+    def make(layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
+        return RemoteMemory.create(
+            client,
+            heads,
+            head_dim,
+            value_dim=value_dim,
+            geometry={"name": "dot", "scale": scale},
+            name=f"layer-{layer}",
+            **options,
+        )
+
+    return make

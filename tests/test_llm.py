@@ -1,0 +1,252 @@
+"""rewa as a language model's memory: `LocalMemory` (in process) and `RemoteMemory` (a live
+`rewa serve`) behind one interface, and the transformers integration (`RewaCache`, the "rewa"
+attention implementation) on a tiny Llama with grouped-query heads built from a config.
+
+The tiny Llama's initializer range is 0.05 rather than the config's default 0.02: at 0.02 its
+attention is nearly uniform, where any estimate of the far past agrees with full attention (top-K
+included); at 0.05 top-K keeps only about 75 % of the argmaxes over 4k tokens, so tail's >= 99 %
+says something (docs/llm.md, "Accuracy")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.clients import Client, RemoteMemory
+from rewa.index import KeyClusters, LocalMemory, retrieval_attention
+from rewa.llm import RewaCache, enable, local_memories, remote_memories
+from tests.service_support import Server
+
+TOKENS = 4096
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    running = Server(data_dir=tmp_path_factory.mktemp("data")).start()
+    yield running
+    running.kill()
+
+
+@pytest.fixture(scope="module")
+def models():
+    """The same tiny Llama twice: with SDPA (the reference) and with rewa attention."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        initializer_range=0.05,
+    )
+    reference = LlamaForCausalLM(config).eval()
+    reference.set_attn_implementation("sdpa")
+    model = LlamaForCausalLM(config).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, enable(model)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return torch.randint(0, 256, (1, TOKENS), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module")
+def full_logits(models, tokens):
+    with torch.no_grad():
+        return models[0](tokens).logits
+
+
+def _logits_with(model, tokens, cache: RewaCache) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(tokens, past_key_values=cache, use_cache=True).logits
+    assert all(layer.n_spilled > TOKENS // 2 for layer in cache.memory_layers)
+    return logits
+
+
+def _argmax_agreement(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+
+
+# -- the memories -----------------------------------------------------------------------------
+
+
+def _sequence(heads=2, n=3000, d=16, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randn(heads, n, d, generator=generator)
+    values = torch.randn(heads, n, d, generator=generator)
+    queries = 2 * torch.randn(heads, 7, d, generator=generator)
+    return keys, values, queries
+
+
+def test_an_exact_local_memory_is_dense_attention_over_every_appended_token():
+    keys, values, queries = _sequence()
+    memory = LocalMemory(2, 16, mode="exact")
+    for start in range(0, 3000, 700):
+        memory.append(keys[:, start : start + 700], values[:, start : start + 700])
+    assert memory.n_tokens == 3000
+    out, lse = memory.attend(queries)
+    expected = dense_attention(queries, keys, values, make_geometry("dot", 16))
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["tail", "topk"])
+def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_tokens(mode):
+    keys, values, queries = _sequence(n=6000)
+    geometry = make_geometry("dot", 16)
+    grown = LocalMemory(2, 16, mode=mode)
+    grown.append(keys[:, :2500], values[:, :2500])
+    grown.attend(queries)  # builds the indexes over 2500 tokens
+    for start in range(2500, 6000, 500):  # extended, and retrained at 4096
+        grown.append(keys[:, start : start + 500], values[:, start : start + 500])
+        out, lse = grown.attend(queries)
+    for head in range(2):
+        if mode == "tail":
+            index = KeyClusters.build(geometry.witness(keys[head]), values[head], geometry)
+            expected = retrieval_attention(
+                queries[head], keys[head], values[head], geometry, index=index, tail=True
+            )
+        else:
+            expected = retrieval_attention(queries[head], keys[head], values[head], geometry)
+        torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
+
+
+def test_local_and_remote_memories_compute_the_same_attention(server):
+    keys, values, queries = _sequence()
+    with Client(server.url) as client:
+        for mode in ("exact", "tail", "topk"):
+            local = LocalMemory(2, 16, mode=mode, scale=0.3)
+            remote = RemoteMemory.create(
+                client, 2, 16, geometry={"name": "dot", "scale": 0.3}, mode=mode
+            )
+            for memory in (local, remote):
+                memory.append(keys[:, :1000], values[:, :1000])
+                memory.append(keys[:, 1000:], values[:, 1000:])
+            assert remote.n_tokens == local.n_tokens == 3000
+            (out_l, lse_l), (out_r, lse_r) = local.attend(queries), remote.attend(queries)
+            torch.testing.assert_close(out_r, out_l, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse_r, lse_l, rtol=1e-5, atol=1e-5)
+            context_id = remote.context_id
+            remote.close()
+            assert context_id not in {c["id"] for c in client.list_contexts()}
+
+
+def test_a_local_memory_names_what_is_wrong_with_its_input():
+    memory = LocalMemory(2, 16, value_dim=8)
+    with pytest.raises(ValueError, match="empty memory"):
+        memory.attend(torch.randn(2, 1, 16))
+    with pytest.raises(ValueError, match="expected keys"):
+        memory.append(torch.randn(3, 4, 16), torch.randn(3, 4, 8))
+    with pytest.raises(ValueError, match="expected values"):
+        memory.append(torch.randn(2, 4, 16), torch.randn(2, 4, 16))
+    with pytest.raises(ValueError, match="finite"):
+        memory.append(torch.full((2, 4, 16), float("nan")), torch.randn(2, 4, 8))
+    memory.append(torch.randn(2, 4, 16), torch.randn(2, 4, 8))
+    with pytest.raises(ValueError, match="expected queries"):
+        memory.attend(torch.randn(2, 1, 15))
+    with pytest.raises(ValueError, match="mode"):
+        LocalMemory(2, 16, mode="dense")
+    with pytest.raises(ValueError, match="budget"):
+        LocalMemory(2, 16, budget=0)
+    assert memory.n_tokens == 4
+
+
+# -- the transformers integration -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_an_exact_memory_gives_the_logits_and_the_greedy_tokens_of_full_attention(
+    where, models, tokens, full_logits, server
+):
+    reference, model = models
+    client = Client(server.url) if where == "http" else None
+    memories = (
+        local_memories(mode="exact") if client is None else remote_memories(client, mode="exact")
+    )
+    with RewaCache(model.config, memories) as cache:
+        logits = _logits_with(model, tokens, cache)
+        # The local part stays bounded however long the prompt: sinks + window + 2 spills.
+        assert all(layer.keys.shape[2] <= 4 + 512 + 2 * 256 for layer in cache.memory_layers)
+    torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-4)
+
+    prompt = tokens[:, :1500]
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=32, do_sample=False)
+        with RewaCache(model.config, memories) as cache:
+            generated = model.generate(
+                prompt, max_new_tokens=32, do_sample=False, past_key_values=cache
+            )
+            assert cache.get_seq_length() == 1500 + 31
+            assert all(layer.n_spilled > 0 for layer in cache.memory_layers)
+    assert torch.equal(generated, expected)
+    if client is not None:
+        assert client.list_contexts() == []  # closing the cache deleted every layer's context
+        client.close()
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_tail_memory_at_two_percent_keeps_the_argmax_of_full_attention(
+    where, models, tokens, full_logits, server
+):
+    model = models[1]
+    client = Client(server.url) if where == "http" else None
+    memories = (
+        local_memories(mode="tail", budget=0.02)
+        if client is None
+        else remote_memories(client, mode="tail", budget=0.02)
+    )
+    with RewaCache(model.config, memories) as cache:
+        logits = _logits_with(model, tokens, cache)
+    assert _argmax_agreement(logits, full_logits) >= 0.99
+    if client is not None:
+        client.close()
+
+
+def test_layers_outside_the_chosen_subset_keep_every_token(models, tokens, full_logits):
+    model = models[1]
+    with RewaCache(model.config, local_memories(mode="exact"), layers=[1]) as cache:
+        logits = _logits_with(model, tokens, cache)
+        assert [layer.layer_idx for layer in cache.memory_layers] == [1]
+        assert cache.layers[0].keys.shape[2] == TOKENS
+    torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-4)
+
+
+def test_without_a_rewa_cache_the_rewa_attention_is_full_causal_attention(
+    models, tokens, full_logits
+):
+    with torch.no_grad():
+        logits = models[1](tokens[:, :600], use_cache=False).logits
+    torch.testing.assert_close(logits, full_logits[:, :600], rtol=0, atol=1e-4)
+
+
+def test_the_integration_refuses_what_it_cannot_compute(models, tokens):
+    model = models[1]
+    memories = local_memories(mode="exact")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="batch size 1"):
+            model(tokens[:, :8].repeat(2, 1), past_key_values=RewaCache(model.config, memories))
+        mask = torch.ones(1, 8, dtype=torch.long)
+        mask[0, 0] = 0
+        with pytest.raises(ValueError, match="unpadded"):
+            model(
+                tokens[:, :8],
+                attention_mask=mask,
+                past_key_values=RewaCache(model.config, memories),
+            )
+        with pytest.raises(ValueError, match="batch size 1"):  # beams are a batch
+            model.generate(
+                tokens[:, :8],
+                num_beams=2,
+                max_new_tokens=2,
+                past_key_values=RewaCache(model.config, memories),
+            )
+    with pytest.raises(ValueError, match="layers"):
+        RewaCache(model.config, memories, layers=[2])
+    with pytest.raises(ValueError, match="spill"):
+        RewaCache(model.config, memories, spill=0)
