@@ -248,6 +248,66 @@ def scaling_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def llm_decode_section(result: dict) -> str:
+    steps = result["layer_step"]
+    lines = [
+        "## Decoding with rewa as the model's memory",
+        "",
+        "`.venv/bin/python benchmarks/llm_decode.py` (`llm_decode.json`, `llm_decode.png`): one "
+        f"layer's decode step at {result['tokens']} tokens,",
+        f"{result['q_heads']} query heads over {result['kv_heads']} key/value heads, d = "
+        f"{result['head_dim']}, `RewaCache` defaults (4 sinks, 512-token window, spills of 256)",
+        "with a tail memory, against dense SDPA over the same keys, interleaved "
+        f"({result['threads']} threads). Error: relative L2 of the step's output against SDPA's.",
+        "",
+        "| memory | budget | p50 / p90 / mean | SDPA p50 | speed-up (p50) | error p50 / max "
+        "| first step (spill + build) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    rows = [(name, step) for name, step in steps.items()]
+    if "layer_step_low_budget" in result:
+        rows.append(("local", result["layer_step_low_budget"]))
+    for name, r in rows:
+        lines.append(
+            f"| {name} | {r['budget']:.0%} | {r['rewa_p50_ms']:.1f} / {r['rewa_p90_ms']:.1f} / "
+            f"{r['rewa_mean_ms']:.1f} ms | {r['sdpa_p50_ms']:.1f} ms | {r['speedup_p50']:.1f}x | "
+            f"{r['relative_error_p50']:.1e} / {r['relative_error_max']:.1e} | "
+            f"{r['first_step_s']:.1f} s |"
+        )
+    if "generation" in result:
+        g = result["generation"]
+        lines += [
+            "",
+            f"A 2-layer Llama (hidden 512, the same heads) generating {g['new_tokens']} tokens "
+            f"at that context: {g['rewa']['tokens_per_s']:.1f} tokens/s with the in-process "
+            f"tail memory, {g['full']['tokens_per_s']:.1f} with full attention "
+            f"({g['speedup']:.1f}x; first token with rewa {g['rewa']['first_token_s']:.1f} s, "
+            "spill and build included).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def wire_section(records: list[dict]) -> str:
+    lines = [
+        "## The attend wire: JSON and safetensors",
+        "",
+        "`.venv/bin/python benchmarks/wire.py` (`wire.json`, `wire.png`): encoding an attend "
+        "answer on the server and",
+        "decoding it in the client, per answer size (best of the interleaved rounds), and one "
+        "decode-sized attend",
+        "over HTTP end to end (median).",
+        "",
+        "| what | shape | JSON | safetensors | ratio |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['what']} | {tuple(r['shape'])} | {r['json_ms']:.2f} ms | "
+            f"{r['safetensors_ms']:.2f} ms | {r['json_ms'] / r['safetensors_ms']:.1f}x |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     sections = [HEADER]
     dense = RESULTS / "dense.json"
@@ -262,6 +322,8 @@ def render() -> str:
         ("scaling", scaling_section),
         ("appends", appends_section),
         ("causal_tail", causal_tail_section),
+        ("llm_decode", llm_decode_section),
+        ("wire", wire_section),
     ):
         path = RESULTS / f"{name}.json"
         if path.exists():

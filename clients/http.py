@@ -22,6 +22,7 @@ import base64
 import contextlib
 import functools
 import itertools
+import json
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
@@ -30,8 +31,13 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 
 BINARY_THRESHOLD = 64 * 1024
+# How attend requests and answers travel: safetensors bodies, or base64 tensors inside JSON.
+WIRES = ("safetensors", "json")
+SAFETENSORS = "application/x-safetensors"
 DEFAULT_URL = "http://127.0.0.1:8000"
 RETRY_STATUSES = (429, 503)
 # Sent with every request on one context (its id), so that a load balancer can hash on it and
@@ -329,13 +335,33 @@ class _Operations:
         return_topk: int | None = None,
     ) -> Operation:
         """Attention of queries `(heads, n, head_dim)` over the stored context: an
-        `AttendResult`. `mode` tail (the server's default), topk or exact."""
-        body = {"queries": encode_tensor(queries), "exact": exact}
-        body |= _settings(
+        `AttendResult`. `mode` tail (the server's default), topk or exact. With the client's
+        `wire` safetensors (the default) queries and answer travel as safetensors bodies, else
+        as base64 JSON."""
+        options = {"exact": exact} | _settings(
             mode=mode, k=k, budget=budget, window=window, sinks=sinks, return_topk=return_topk
         )
-        response = yield _Request("POST", f"/v1/contexts/{context_id}/attend", json=body)
-        return _attend_result(response.json(), is_torch(queries))
+        path = f"/v1/contexts/{context_id}/attend"
+        if self.wire == "json":
+            body = {"queries": encode_tensor(queries), **options}
+            response = yield _Request("POST", path, json=body)
+            return _attend_result(response.json(), is_torch(queries))
+        content = safetensors_save(
+            {"queries": to_torch(queries)}, metadata={"options": json.dumps(options)}
+        )
+        headers = {"Content-Type": SAFETENSORS, "Accept": SAFETENSORS}
+        response = yield _Request("POST", path, content=content, headers=headers)
+        tensors = safetensors_load(response.content)
+        as_torch = is_torch(queries)
+        found = {name: tensor if as_torch else tensor.numpy() for name, tensor in tensors.items()}
+        return AttendResult(
+            out=found["out"],
+            lse=found["lse"],
+            mode=response.headers["X-Rewa-Mode"],
+            version=int(response.headers["X-Rewa-Version"]),
+            ids=found.get("ids"),
+            weights=found.get("weights"),
+        )
 
     def search(
         self, context_id: str, queries: Any, k: int = 10, *, exact: bool = False
@@ -409,9 +435,13 @@ class _Base(_Operations):
         retries: int = 5,
         backoff: float = 0.2,
         max_backoff: float = 10.0,
+        wire: str = "safetensors",
     ) -> None:
         if retries < 0:
             raise ValueError(f"expected retries >= 0, got {retries}")
+        if wire not in WIRES:
+            raise ValueError(f"expected wire in {WIRES}, got {wire!r}")
+        self.wire = wire
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff = backoff

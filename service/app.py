@@ -25,6 +25,7 @@ from .routes import router
 from .schemas import ErrorBody
 from .settings import Settings
 from .store import ContextStore, StoreUnavailable
+from .wire import SAFETENSORS
 
 
 def make_store(settings: Settings) -> ContextStore:
@@ -195,7 +196,8 @@ class RequestMetrics:
 
 
 class ContentTypeCheck:
-    """415 for a request body that is not JSON (or, for upload chunks, raw bytes)."""
+    """415 for a request body that is not JSON (or, for upload chunks, raw bytes; for attend,
+    safetensors)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -208,6 +210,8 @@ class ContentTypeCheck:
             accepted = ["application/json"]
             if scope["path"].endswith("/chunks"):
                 accepted.append("application/octet-stream")
+            elif scope["path"].endswith("/attend") and scope["path"] != "/v1/attend":
+                accepted.append(SAFETENSORS)
             if has_body and content_type not in accepted:
                 error = ApiError(
                     415,

@@ -28,6 +28,7 @@ from .batcher import Job, Overloaded, merged_payload
 from .engine import AttendParams, geometry_of
 from .errors import ApiError, invalid, validation_error
 from .schemas import (
+    AttendOptions,
     AttendRequest,
     AttendResponse,
     ChunkBody,
@@ -170,6 +171,14 @@ def _check_k(param: str, k: int, n_tokens: int, max_k: int) -> None:
 
 def _queries(payload: wire.TensorPayload, record: dict, settings, param: str = "queries"):
     queries = wire.decode(payload, param, (record["heads"], None, record["head_dim"]))
+    _check_queries(queries, record, settings, param)
+    return queries
+
+
+def _check_queries(queries: torch.Tensor, record: dict, settings, param: str = "queries"):
+    """Raise unless `queries` is `(heads, n >= 1, head_dim)` within the request limit."""
+    expected = (record["heads"], None, record["head_dim"])
+    wire.check_shape(f"{param}.shape", tuple(queries.shape), expected)
     if queries.numel() // record["head_dim"] > settings.max_queries_per_request:
         raise ApiError(
             413,
@@ -177,7 +186,6 @@ def _queries(payload: wire.TensorPayload, record: dict, settings, param: str = "
             f"(REWA_MAX_QUERIES_PER_REQUEST), got {queries.shape[0]} x {queries.shape[1]}",
             param,
         )
-    return queries
 
 
 def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
@@ -596,15 +604,67 @@ async def abort_upload(context_id: str, upload_id: str, request: Request, namesp
 # -- queries ----------------------------------------------------------------------------------
 
 
+def _binary_body(description: str) -> dict:
+    """The OpenAPI request body of a route that takes JSON or a safetensors body."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": _component_refs(AttendRequest.model_json_schema(ref_template=REF))
+                },
+                wire.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}},
+            },
+            "description": description,
+        }
+    }
+
+
+async def _attend_body(request: Request, record: dict, settings):
+    """`(options, queries)` of an attend body: JSON (`AttendRequest`), or safetensors (a
+    `queries` tensor and the other fields as JSON in the metadata entry `options`)."""
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    raw = await request.body()
+    if content_type == "application/json":
+        body = _parse(AttendRequest, raw)
+        return body, _queries(body.queries, record, settings)
+    if content_type == wire.SAFETENSORS:
+        tensors, metadata = wire.read_safetensors(raw)
+        if set(tensors) != {"queries"}:
+            raise invalid("body", "one tensor, named queries", sorted(tensors))
+        options = _parse(AttendOptions, metadata.get("options", "{}").encode())
+        queries = tensors["queries"].to(torch.float32)
+        _check_queries(queries, record, settings)
+        return options, queries
+    raise ApiError(
+        415,
+        f"Content-Type: expected application/json or {wire.SAFETENSORS}, got "
+        f"{content_type or 'nothing'}",
+        "Content-Type",
+    )
+
+
+def _wants_safetensors(request: Request) -> bool:
+    return wire.SAFETENSORS in request.headers.get("accept", "").lower()
+
+
 @router.post(
     "/contexts/{context_id}/attend",
     response_model=AttendResponse,
     tags=["attention"],
-    responses=errors(*STORE, *BODY, 404, 409, 429),
+    responses={
+        200: {"content": {wire.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}}},
+        **errors(*STORE, *BODY, 404, 409, 415, 429),
+    },
+    openapi_extra=_binary_body(
+        f"JSON, or {wire.SAFETENSORS}: a tensor queries (heads, n, head_dim), float32, float16 "
+        f"or bfloat16, and the other fields as a JSON object in the metadata entry options. "
+        f"With Accept: {wire.SAFETENSORS} the answer is safetensors too (out, lse, and with "
+        f"return_topk ids and weights; mode and version in X-Rewa-Mode and X-Rewa-Version)."
+    ),
 )
 async def attend(
     context_id: str,
-    body: AttendRequest,
     request: Request,
     response: Response,
     namespace: str = Namespace,
@@ -614,7 +674,7 @@ async def attend(
     top K) or tail (sparse plus the cluster-tail estimate; the default)."""
     settings = _settings(request)
     record = await _committed(request, namespace, context_id)
-    queries = _queries(body.queries, record, settings)
+    body, queries = await _attend_body(request, record, settings)
     mode = _mode(body.mode, body.exact, "tail", record)
     params = _params(body, record, settings, mode, body.return_topk)
     engine = request.app.state.engine
@@ -629,6 +689,14 @@ async def attend(
         response,
         Job(key=key, payload=queries, size=queries.shape[0] * queries.shape[1], run=run),
     )
+    if _wants_safetensors(request):
+        headers = {
+            "X-Rewa-Mode": mode,
+            "X-Rewa-Version": str(record["version"]),
+            "Server-Timing": response.headers["Server-Timing"],
+        }
+        content = wire.write_safetensors(result, {"mode": mode})
+        return Response(content, media_type=wire.SAFETENSORS, headers=headers)
     return AttendResponse(
         out=wire.encode(result["out"]),
         lse=wire.encode(result["lse"]),

@@ -128,8 +128,9 @@ class ChunkBody(Strict):
     values: TensorPayload
 
 
-class AttendRequest(Strict):
-    queries: TensorPayload = Field(description="(heads, n_queries, head_dim)")
+class AttendOptions(Strict):
+    """An attend request without its queries: the `options` metadata of a safetensors body."""
+
     mode: Mode | None = Field(None, description="default: tail")
     exact: bool = Field(False, description="shorthand for mode=exact")
     k: integer(ge=1) | None = Field(None, description="topk mode: keys attended (<= max_k)")
@@ -139,6 +140,10 @@ class AttendRequest(Strict):
     return_topk: integer(ge=1) | None = Field(
         None, description="also return each query's best ids and attention weights"
     )
+
+
+class AttendRequest(AttendOptions):
+    queries: TensorPayload = Field(description="(heads, n_queries, head_dim)")
 
 
 class AttendResponse(BaseModel):

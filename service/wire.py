@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 import math
 import sys
 from typing import Annotated, Any
@@ -18,6 +19,8 @@ import torch
 from annotated_types import Ge, Le
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic import Strict as StrictMode
+from safetensors import SafetensorError
+from safetensors.torch import load, save
 
 from .errors import invalid
 
@@ -113,3 +116,42 @@ def check_shape(param: str, got: list[int] | tuple[int, ...], expected: tuple[in
         for size, want in zip(got, expected, strict=False)
     ):
         raise invalid(param, f"shape {described} (no empty dimension)", list(got))
+
+
+# -- safetensors bodies -----------------------------------------------------------------------
+# The binary wire of attend: a safetensors file (https://huggingface.co/docs/safetensors: an
+# 8-byte little-endian header length, a JSON header of dtypes, shapes and offsets, then the raw
+# tensors) as the request or response body, chosen by Content-Type and Accept.
+
+SAFETENSORS = "application/x-safetensors"
+_SAFETENSORS_FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def read_safetensors(raw: bytes, param: str = "body") -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and the `__metadata__` (str -> str) of a safetensors body; anything malformed
+    or non-finite is a 400 naming `param`."""
+    if len(raw) < 8:
+        raise invalid(param, "a safetensors body (8-byte header length, header, data)", len(raw))
+    header_length = int.from_bytes(raw[:8], "little")
+    try:
+        if header_length > len(raw) - 8:
+            raise ValueError(f"a header of {header_length} bytes in a body of {len(raw)}")
+        header = json.loads(raw[8 : 8 + header_length])
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+        metadata = header.get("__metadata__") or {}
+        tensors = load(raw)
+    except (ValueError, SafetensorError) as error:
+        raise invalid(param, "a safetensors body", str(error)) from None
+    for name, entry in header.items():
+        if name != "__metadata__" and entry.get("dtype") not in _SAFETENSORS_FLOATS:
+            raise invalid(f"{param}.{name}.dtype", f"one of {sorted(_SAFETENSORS_FLOATS)}", entry)
+    for name, tensor in tensors.items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise invalid(f"{param}.{name}", "finite values", "NaN or Inf")
+    return tensors, metadata
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors body of CPU-contiguous copies of `tensors`."""
+    return save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, metadata)

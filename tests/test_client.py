@@ -340,3 +340,20 @@ def test_the_documented_client_example_runs(server):
     out, lse = namespace["remote_attention"](server.url)
     assert out.shape == (8, 1, 64) and lse.shape == (8, 1)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_both_wires_give_the_same_answers(server, data):
+    keys, values, queries = data
+    with Client(server.url) as binary, Client(server.url, wire="json") as as_json:
+        context = binary.create_context(H, D)
+        binary.upload(context["id"], keys, values)
+        for inputs in (queries, queries.numpy()):
+            a = binary.attend(context["id"], inputs, mode="topk", return_topk=4)
+            b = as_json.attend(context["id"], inputs, mode="topk", return_topk=4)
+            assert type(a.out) is type(b.out) is type(inputs)
+            assert (a.mode, a.version) == (b.mode, b.version) == ("topk", 1)
+            for name in ("out", "lse", "ids", "weights"):
+                assert np.array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+        binary.delete_context(context["id"])
+    with pytest.raises(ValueError, match="wire"):
+        Client(server.url, wire="msgpack")

@@ -91,3 +91,12 @@ def test_deploy_sharding_example_builds_its_sharded_memory():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert result.stdout.split() == ["2", "ctx-second-half"]
+
+
+def test_the_model_memory_example_generates_what_full_attention_generates():
+    text = README.read_text()
+    example = re.search(r"## A model's memory\n.*?```python\n(.*?)```", text, re.S).group(1)
+    result = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert result.stdout.splitlines() == ["1276", "True"]

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import torch
+from safetensors.torch import load, save
 
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, build_index, causal_tail_attention, retrieval_attention
@@ -429,3 +430,55 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
         response = client.post(f"/v1/contexts/{cone['id']}/index")  # its default: topk
         assert response.status_code == 200 and response.json()["built"] == ["topk"]
         client.delete(f"/v1/contexts/{cone['id']}")
+
+
+def test_attend_speaks_safetensors_both_ways_and_answers_as_json_does(server, data):
+    keys, values, queries = data
+    with server.client() as client:
+        context = create_context(client)
+        upload(client, context["id"], keys, values, chunk=1500)
+        path = f"/v1/contexts/{context['id']}/attend"
+        options = '{"mode": "tail", "return_topk": 3}'
+        binary = {"Content-Type": "application/x-safetensors"}
+        both = {**binary, "Accept": "application/x-safetensors"}
+
+        out, lse, body = attend(client, context["id"], queries, mode="tail", return_topk=3)
+        for dtype in (torch.float32, torch.bfloat16):
+            sent = save({"queries": queries.to(dtype)}, metadata={"options": options})
+            answer = client.post(path, content=sent, headers=both)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["content-type"] == "application/x-safetensors"
+            assert answer.headers["x-rewa-mode"] == "tail"
+            assert int(answer.headers["x-rewa-version"]) == body["version"]
+            assert "compute;dur=" in answer.headers["server-timing"]
+            tensors = load(answer.content)
+            assert set(tensors) == {"out", "lse", "ids", "weights"}
+            if dtype == torch.float32:
+                torch.testing.assert_close(tensors["out"], out, rtol=0, atol=0)
+                torch.testing.assert_close(tensors["lse"], lse, rtol=0, atol=0)
+                assert torch.equal(tensors["ids"], decode(body["ids"]))
+        # A safetensors request without that Accept is answered in JSON.
+        sent = save({"queries": queries}, metadata={"options": options})
+        as_json = client.post(path, content=sent, headers=binary).json()
+        torch.testing.assert_close(decode(as_json["out"]), out, rtol=0, atol=0)
+
+        def error(content, headers=binary):
+            answer = client.post(path, content=content, headers=headers)
+            return answer.status_code, answer.json()["error"]
+
+        status, why = error(b"\x05\x00")
+        assert status == 400 and why["param"] == "body"
+        status, why = error(save({"keys": queries}))
+        assert status == 400 and "queries" in why["message"]
+        status, why = error(save({"queries": queries[:1]}))
+        assert status == 400 and why["param"] == "queries.shape"
+        status, why = error(save({"queries": queries.double()}))
+        assert status == 400 and why["param"] == "body.queries.dtype"
+        status, why = error(save({"queries": torch.full_like(queries, float("nan"))}))
+        assert status == 400 and why["param"] == "body.queries"
+        status, why = error(save({"queries": queries}, metadata={"options": '{"budget": 7}'}))
+        assert status == 422 and why["param"] == "budget"  # as in a JSON body
+        status, why = error(save({"queries": queries}, metadata={"options": "{"}))
+        assert status == 400
+        status, why = error(b"queries", {"Content-Type": "text/plain"})
+        assert status == 415 and why["param"] == "Content-Type"
