@@ -208,14 +208,24 @@ class _Operations:
         dtype: str = "float32",
         index: dict | None = None,
         name: str | None = None,
+        geometry_state: dict | None = None,
     ) -> Operation:
         """Create an empty context; `geometry` is a name or `{"name", **options}`, `index`
-        the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`)."""
+        the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`);
+        `geometry_state` a trained geometry's `state_dict()` (`set_geometry_state`)."""
         spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
         body = {"geometry": spec, "heads": heads, "head_dim": head_dim, "dtype": dtype}
         body |= _settings(value_dim=value_dim, index=index, name=name)
         response = yield _Request("POST", "/v1/contexts", json=body)
-        return response.json()
+        context = response.json()
+        if geometry_state is not None:
+            try:
+                yield from _Operations.set_geometry_state(self, context["id"], geometry_state)
+            except Exception:
+                with contextlib.suppress(RewaError):  # no half-made context left behind
+                    yield from _Operations.delete_context(self, context["id"])
+                raise
+        return context
 
     def list_contexts(self) -> Operation:
         response = yield _Request("GET", "/v1/contexts")
@@ -239,6 +249,24 @@ class _Operations:
         body = {"modes": modes} if modes else None
         response = yield _Request("POST", f"/v1/contexts/{context_id}/index", json=body)
         return response.json()
+
+    def set_geometry_state(self, context_id: str, state: dict) -> Operation:
+        """Give the context's geometry trained parameters: `state` is the `state_dict()` of a
+        geometry of the context's spec (torch tensors or numpy arrays). Only before the first
+        commit."""
+        tensors = {name: to_torch(tensor).clone() for name, tensor in state.items()}
+        path = f"/v1/contexts/{context_id}/geometry-state"
+        headers = {"Content-Type": SAFETENSORS}
+        response = yield _Request("PUT", path, content=safetensors_save(tensors), headers=headers)
+        return response.json()
+
+    def get_geometry_state(self, context_id: str) -> Operation:
+        """The context's geometry state (torch tensors), or None when it has none."""
+        path = f"/v1/contexts/{context_id}/geometry-state"
+        response = yield _Request("GET", path)
+        if response.status_code == 204:
+            return None
+        return safetensors_load(response.content)
 
     # -- uploads ----------------------------------------------------------------------------
 

@@ -62,12 +62,19 @@ class RemoteMemory(nn.Module):
         geometry: str | dict = "dot",
         mode: str = "tail",
         name: str | None = None,
+        geometry_state: dict | None = None,
         **options: Any,
     ) -> RemoteMemory:
         """A new empty context on the service, owned by the memory (`close()` deletes it);
-        `options` are the attend endpoint's (`budget`, `k`, ...)."""
+        `geometry_state` a trained geometry's `state_dict()`; `options` are the attend
+        endpoint's (`budget`, `k`, ...)."""
         context = client.create_context(
-            heads, head_dim, geometry=geometry, value_dim=value_dim, name=name
+            heads,
+            head_dim,
+            geometry=geometry,
+            value_dim=value_dim,
+            name=name,
+            geometry_state=geometry_state,
         )
         memory = cls(client, context["id"], mode=mode, owned=True, **options)
         memory._n_tokens = 0

@@ -197,7 +197,7 @@ class RequestMetrics:
 
 class ContentTypeCheck:
     """415 for a request body that is not JSON (or, for upload chunks, raw bytes; for attend,
-    safetensors)."""
+    safetensors; for a geometry state, safetensors only)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -212,6 +212,8 @@ class ContentTypeCheck:
                 accepted.append("application/octet-stream")
             elif scope["path"].endswith("/attend") and scope["path"] != "/v1/attend":
                 accepted.append(SAFETENSORS)
+            elif scope["path"].endswith("/geometry-state"):
+                accepted = [SAFETENSORS]
             if has_body and content_type not in accepted:
                 error = ApiError(
                     415,

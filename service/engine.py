@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import load as safetensors_load
 
 from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
 from rewa.index import (
@@ -83,6 +84,31 @@ def geometry_of(spec: dict, head_dim: int) -> Geometry:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(GEOMETRY_SEED)
         return make_geometry(spec["name"], head_dim, **options)
+
+
+# The blob of a context's trained geometry state (a safetensors state dict), when it has one.
+GEOMETRY_STATE = "geometry-state.safetensors"
+
+
+def load_geometry_state(geometry: Geometry, state: dict[str, torch.Tensor]) -> Geometry:
+    """`geometry` with its parameters and buffers replaced by `state` (a `state_dict` of the
+    same geometry, e.g. a trained one): every entry must be there with its shape, none more;
+    ValueError naming what differs."""
+    expected = geometry.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"the geometry's state has the entries {sorted(expected)}; missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"{name}: expected shape {list(expected[name].shape)}, got {list(tensor.shape)}"
+            )
+    geometry.load_state_dict({name: t.to(expected[name].dtype) for name, t in state.items()})
+    return geometry
 
 
 @dataclass
@@ -164,7 +190,11 @@ class Engine:
 
     def _load(self, namespace: str, record: dict) -> LoadedContext:
         k, v = self._read_segments(namespace, record, record["segments"])
-        geometry = geometry_of(record["geometry"], record["head_dim"]).to(self.device)
+        geometry = geometry_of(record["geometry"], record["head_dim"])
+        state = self.store.get_blob(namespace, record["id"], GEOMETRY_STATE)
+        if state is not None:
+            load_geometry_state(geometry, safetensors_load(state))
+        geometry = geometry.to(self.device)
         loaded = LoadedContext(
             key=(namespace, record["id"], record["version"]),
             record=record,

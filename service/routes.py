@@ -25,7 +25,7 @@ from rewa.index.retrieval import empty_index
 from . import wire
 from .auth import namespace_of
 from .batcher import Job, Overloaded, merged_payload
-from .engine import AttendParams, geometry_of
+from .engine import GEOMETRY_STATE, AttendParams, geometry_of, load_geometry_state
 from .errors import ApiError, invalid, validation_error
 from .schemas import (
     AttendOptions,
@@ -259,10 +259,14 @@ PROBE_SCALES = (0.0, 0.1, 1.0, 10.0)
 
 @functools.lru_cache(maxsize=256)
 def _probe(spec: str, head_dim: int) -> str | None:
-    """What goes wrong when the geometry of a spec (JSON) scores and lifts random vectors of
-    norms 0 to ~30 (None: nothing). It takes 1-7 ms, so results are kept per spec: a client
-    sending stateless requests with one geometry pays once."""
-    geometry = geometry_of(json.loads(spec), head_dim)
+    """`probe_geometry` of a spec's (JSON) geometry. It takes 1-7 ms, so results are kept per
+    spec: a client sending stateless requests with one geometry pays once."""
+    return probe_geometry(geometry_of(json.loads(spec), head_dim), head_dim)
+
+
+def probe_geometry(geometry: Geometry, head_dim: int) -> str | None:
+    """What goes wrong when `geometry` scores and lifts random vectors of norms 0 to ~30 (None:
+    nothing)."""
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for scale in PROBE_SCALES:
@@ -382,6 +386,72 @@ async def delete_context(context_id: str, request: Request, namespace: str = Nam
     await _store(request, "delete", namespace, context_id)
     request.app.state.engine.forget(namespace, context_id)
     return {"deleted": context_id}
+
+
+GEOMETRY_STATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {wire.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "the geometry's state_dict (float tensors), e.g. of a trained "
+        "GeometricAttention's geometry",
+    }
+}
+
+
+@router.put(
+    "/contexts/{context_id}/geometry-state",
+    tags=["contexts"],
+    responses=errors(*STORE, *BODY, 404, 409, 415),
+    openapi_extra=GEOMETRY_STATE_BODY,
+)
+async def put_geometry_state(context_id: str, request: Request, namespace: str = Namespace):
+    """Give the context's geometry trained parameters (a safetensors state dict of a geometry
+    of the context's spec), so that the service computes what the trained module computes in
+    process. Only before the first commit: the indexes of committed tokens depend on it."""
+    record = await _store(request, "get", namespace, context_id)
+    if record["n_tokens"] > 0:
+        raise ApiError(
+            409,
+            f"context {context_id!r} has committed tokens; its geometry state can be set only "
+            "before the first commit",
+        )
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != wire.SAFETENSORS:
+        raise ApiError(
+            415,
+            f"Content-Type: expected {wire.SAFETENSORS}, got {content_type or 'nothing'}",
+            "Content-Type",
+        )
+    raw = await request.body()
+    tensors, _ = wire.read_safetensors(raw)
+    try:
+        geometry = load_geometry_state(geometry_of(record["geometry"], record["head_dim"]), tensors)
+    except ValueError as error:
+        raise invalid("body", "the state_dict of the context's geometry", str(error)) from None
+    problem = probe_geometry(geometry, record["head_dim"])
+    if problem:
+        raise ApiError(400, f"body: this state gives {problem}", "body")
+    await _store(request, "put_blob", namespace, context_id, GEOMETRY_STATE, raw)
+    request.app.state.engine.forget(namespace, context_id)
+    return {"context_id": context_id, "entries": sorted(tensors)}
+
+
+@router.get(
+    "/contexts/{context_id}/geometry-state",
+    tags=["contexts"],
+    responses={
+        200: {"content": {wire.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}}},
+        204: {"description": "no state: the geometry is the spec's, built from the fixed seed"},
+        **errors(*STORE, 404),
+    },
+)
+async def get_geometry_state(context_id: str, request: Request, namespace: str = Namespace):
+    """The context's geometry state as set (safetensors); 204 when it has none."""
+    await _store(request, "get", namespace, context_id)
+    blob = await _store(request, "get_blob", namespace, context_id, GEOMETRY_STATE)
+    if blob is None:
+        return Response(status_code=204)
+    return Response(blob, media_type=wire.SAFETENSORS)
 
 
 # -- uploads ----------------------------------------------------------------------------------

@@ -357,3 +357,31 @@ def test_both_wires_give_the_same_answers(server, data):
         binary.delete_context(context["id"])
     with pytest.raises(ValueError, match="wire"):
         Client(server.url, wire="msgpack")
+
+
+def test_a_context_is_created_with_a_geometry_state_or_not_at_all(server, data):
+    keys, values, queries = data
+    geometry = make_geometry("product", D)
+    with torch.no_grad():
+        for parameter in geometry.parameters():
+            parameter.mul_(1.5)
+    with Client(server.url) as client:
+        memory = RemoteMemory.create(
+            client, H, D, geometry="product", mode="exact", geometry_state=geometry.state_dict()
+        )
+        state = client.get_geometry_state(memory.context_id)
+        assert all(torch.equal(state[n], t) for n, t in geometry.state_dict().items())
+        memory.append(keys, values)
+        out, lse = memory.attend(queries)
+        expected = dense_attention(queries, keys, values, geometry)
+        _close(out, expected[0])
+        _close(lse, expected[1])
+        memory.close()
+        before = {c["id"] for c in client.list_contexts()}
+        with pytest.raises(RewaError) as refused:
+            client.create_context(H, D, geometry="product", geometry_state={"maps.sphere": keys})
+        assert refused.value.status == 400
+        assert {c["id"] for c in client.list_contexts()} == before  # deleted again
+        plain = client.create_context(H, D)
+        assert client.get_geometry_state(plain["id"]) is None
+        client.delete_context(plain["id"])

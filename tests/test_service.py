@@ -13,8 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from rewa.attention import dense_attention, make_geometry
-from rewa.index import KeyClusters, build_index, causal_tail_attention, retrieval_attention
+from rewa.attention import GeometricAttention, dense_attention, make_geometry
+from rewa.index import (
+    KeyClusters,
+    LocalMemory,
+    build_index,
+    causal_tail_attention,
+    retrieval_attention,
+)
 from tests.service_support import (
     REDIS_URL,
     Server,
@@ -482,3 +488,66 @@ def test_attend_speaks_safetensors_both_ways_and_answers_as_json_does(server, da
         assert status == 400
         status, why = error(b"queries", {"Content-Type": "text/plain"})
         assert status == 415 and why["param"] == "Content-Type"
+
+
+def _trained_product_layer() -> GeometricAttention:
+    """A 4-head layer sharing one product-manifold geometry, trained a few steps so that its
+    maps, weights and temperature are no longer the seeded ones."""
+    torch.manual_seed(1)
+    layer = GeometricAttention(64, 4, make_geometry("product", D, heads=1))
+    optimizer = torch.optim.Adam(layer.parameters(), lr=0.05)
+    x = torch.randn(2, 32, 64)
+    for _ in range(5):
+        loss = (layer(x) - x.flip(1)).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return layer.eval()
+
+
+def test_a_context_with_a_trained_geometry_computes_what_the_trained_layer_computes(server):
+    layer = _trained_product_layer()
+    state = layer.geometry.state_dict()
+    seeded = make_geometry("product", D).state_dict()
+    assert any(not torch.equal(state[name], seeded[name]) for name in state)
+    with torch.no_grad():
+        x = torch.randn(1, 1500, 64, generator=torch.Generator().manual_seed(2))
+        q, k, v = (
+            layer._split_heads(proj(x))[0] for proj in (layer.q_proj, layer.k_proj, layer.v_proj)
+        )
+        expected = layer.attend(q[:, :6], k, v)
+    sent = save({name: tensor.contiguous() for name, tensor in state.items()})
+    binary = {"Content-Type": "application/x-safetensors"}
+    with server.client() as client:
+        context = create_context(client, geometry={"name": "product"}, heads=4)
+        path = f"/v1/contexts/{context['id']}/geometry-state"
+        assert client.get(path).status_code == 204
+        answer = client.put(path, content=sent, headers=binary)
+        assert answer.status_code == 200, answer.text
+        assert load(client.get(path).content).keys() == state.keys()
+        upload(client, context["id"], k, v, chunk=500)
+        out, lse, _ = attend(client, context["id"], q[:, :6], mode="exact")
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+        # The sparse modes too: the service's index is built with the trained geometry.
+        local = LocalMemory(4, D, geometry=layer.geometry, mode="tail")
+        local.append(k, v)
+        out, lse, _ = attend(client, context["id"], q[:, :6], mode="tail")
+        torch.testing.assert_close(out, local.attend(q[:, :6])[0], rtol=1e-5, atol=1e-5)
+
+        # After a commit the state is fixed; a wrong state is refused naming what differs.
+        assert client.put(path, content=sent, headers=binary).status_code == 409
+        fresh = create_context(client, geometry={"name": "product"}, heads=4)
+        path = f"/v1/contexts/{fresh['id']}/geometry-state"
+        wrong = {
+            "a state of other shapes": save({**state, "maps.sphere": torch.zeros(4, D, 8)}),
+            "a missing entry": save({n: t for n, t in state.items() if n != "temperature.raw"}),
+            "an extra entry": save({**state, "bias": torch.zeros(1)}),
+            "not safetensors": b"\x00" * 12,
+        }
+        for why, content in wrong.items():
+            answer = client.put(path, content=content, headers=binary)
+            assert answer.status_code == 400, why
+            assert answer.json()["error"]["param"] == "body", why
+        assert client.put(path, json={"state": 1}).status_code == 415
+        assert client.get(path).status_code == 204
