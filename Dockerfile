@@ -40,6 +40,7 @@ COPY attention/ attention/
 COPY index/ index/
 COPY service/ service/
 COPY clients/ clients/
+COPY llm/ llm/
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
     && .venv/bin/python -m compileall -q attention index service clients

@@ -21,12 +21,13 @@ $(VENV)/.torch-installed: | $(BIN)/python
 		"$(TORCH_REQUIREMENT)"
 	touch $@
 
-# The service's requirements (pyproject.toml's dependencies and the VARIANT extra) without rewa
-# itself: the Dockerfile installs them in a layer of their own, before it copies the sources, so
+# The service's requirements (pyproject.toml's dependencies, the service extra and the VARIANT
+# extra) without rewa itself: the Dockerfile installs them in a layer of their own, before it copies the sources, so
 # that editing the sources does not reinstall torch.
 $(VENV)/.deps-installed: pyproject.toml $(VENV)/.torch-installed
 	$(BIN)/python -c "import tomllib; project = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-		print('\n'.join(project['dependencies'] + project['optional-dependencies']['$(VARIANT)']))" \
+		extras = project['optional-dependencies']; \
+		print('\n'.join(project['dependencies'] + extras['service'] + extras['$(VARIANT)']))" \
 		> $(VENV)/requirements.txt
 	$(BIN)/pip install --quiet -r $(VENV)/requirements.txt
 	touch $@

@@ -308,6 +308,26 @@ def wire_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def client_import_section(records: list[dict]) -> str:
+    lines = [
+        "## Importing the client",
+        "",
+        "`.venv/bin/python benchmarks/client_import.py` (`client_import.json`, "
+        "`client_import.png`): fresh interpreters, the",
+        "import's cumulative time (`-X importtime`) and the resident memory after it, "
+        f"{records[0]['rounds']} interleaved rounds (target: `rewa.clients` under 0.3 s).",
+        "",
+        "| module | median / fastest | resident memory |",
+        "| --- | --- | --- |",
+    ]
+    for r in records:
+        lines.append(
+            f"| `{r['module']}` | {r['median_s']:.3f} / {r['min_s']:.3f} s | "
+            f"{r['max_rss_mib']:.0f} MiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     sections = [HEADER]
     dense = RESULTS / "dense.json"
@@ -324,6 +344,7 @@ def render() -> str:
         ("causal_tail", causal_tail_section),
         ("llm_decode", llm_decode_section),
         ("wire", wire_section),
+        ("client_import", client_import_section),
     ):
         path = RESULTS / f"{name}.json"
         if path.exists():

@@ -103,8 +103,13 @@ def _serve(args: argparse.Namespace) -> None:
         os.environ["REWA_HOST"] = args.host
     if args.port is not None:
         os.environ["REWA_PORT"] = str(args.port)
-    from rewa.service.server import serve as run_server
-
+    try:
+        from rewa.service.server import serve as run_server
+    except ImportError as error:  # a client-only install: `pip install rewa`
+        raise SystemExit(
+            f"rewa serve needs the service's requirements ({error.name} is missing): "
+            "pip install 'rewa[service,cpu]', or `make serve` in a checkout"
+        ) from None
     run_server()
 
 

@@ -7,8 +7,9 @@ same methods with the same arguments and results.
 
 Tensors go in as numpy arrays or torch tensors (any float dtype; sent in float32, or in the
 context's dtype for uploads) and come back as torch tensors when the input was one, else as
-numpy arrays. Upload chunks of more than `BINARY_THRESHOLD` bytes travel as raw
-`application/octet-stream` bodies, smaller ones as base64 JSON.
+numpy arrays. The module needs numpy, httpx and safetensors only: torch is imported when the
+caller's tensors are torch tensors. Upload chunks of more than `BINARY_THRESHOLD` bytes travel
+as raw `application/octet-stream` bodies, smaller ones as base64 JSON.
 
 Failures raise `RewaError` (the server's `{"error": {"type", "message", "param"}}` and status)
 or its subclass `RewaConnectionError` (no response). 429 and 503 answers, and connections that
@@ -30,9 +31,8 @@ from typing import Any
 
 import httpx
 import numpy as np
-import torch
-from safetensors.torch import load as safetensors_load
-from safetensors.torch import save as safetensors_save
+from safetensors.numpy import load as safetensors_load
+from safetensors.numpy import save as safetensors_save
 
 BINARY_THRESHOLD = 64 * 1024
 # How attend requests and answers travel: safetensors bodies, or base64 tensors inside JSON.
@@ -43,7 +43,6 @@ RETRY_STATUSES = (429, 503)
 # Sent with every request on one context (its id), so that a load balancer can hash on it and
 # keep each context on one replica's cache (deploy/k8s/ingress.yaml).
 ROUTING_HEADER = "X-Rewa-Context"
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class RewaError(Exception):
@@ -69,27 +68,64 @@ class RewaConnectionError(RewaError):
 
 
 # -- tensors ----------------------------------------------------------------------------------
+# numpy only: torch is imported when the caller's tensors are torch tensors, never before, so
+# that the client installs and imports with numpy, httpx and safetensors alone.
+
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+# How each wire dtype is read into numpy; bfloat16 as its raw 16 bits (numpy has no bfloat16).
+_WIRE_DTYPES = {**_NUMPY_DTYPES, "float64": np.float64, "int64": np.int64, "bfloat16": np.uint16}
 
 
 def is_torch(tensor: Any) -> bool:
-    return isinstance(tensor, torch.Tensor)
+    return type(tensor).__module__.partition(".")[0] == "torch"
 
 
-def to_torch(tensor: Any, dtype: str = "float32") -> torch.Tensor:
-    """A contiguous CPU torch tensor of `dtype` from a numpy array or torch tensor."""
-    tensor = tensor.detach() if is_torch(tensor) else torch.from_numpy(np.asarray(tensor))
-    return tensor.to("cpu", _TORCH_DTYPES[dtype]).contiguous()
+def to_array(tensor: Any, dtype: str = "float32") -> np.ndarray:
+    """A contiguous numpy array of `tensor` (numpy array or torch tensor) in `dtype`; for
+    bfloat16, its raw bits as uint16."""
+    if is_torch(tensor):
+        import torch
+
+        tensor = tensor.detach().to("cpu")
+        if dtype == "bfloat16":
+            bits = tensor.to(torch.bfloat16).contiguous().view(torch.int16)
+            return bits.numpy().view(np.uint16)
+        return np.ascontiguousarray(tensor.to(getattr(torch, dtype)).numpy())
+    if dtype == "bfloat16":
+        return bfloat16_bits(np.asarray(tensor))
+    return np.ascontiguousarray(tensor, dtype=_NUMPY_DTYPES[dtype])
 
 
-def raw_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+def bfloat16_bits(array: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (to nearest, ties to even), as uint16 bits."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def encode_tensor(tensor: Any, dtype: str = "float32") -> dict:
     """`{"dtype", "shape", "data"}` of a numpy array or torch tensor, sent as `dtype`."""
-    tensor = to_torch(tensor, dtype)
-    data = base64.b64encode(raw_bytes(tensor)).decode("ascii")
-    return {"dtype": dtype, "shape": list(tensor.shape), "data": data}
+    return _encoded(to_array(tensor, dtype), dtype)
+
+
+def _encoded(array: np.ndarray, dtype: str) -> dict:
+    """`{"dtype", "shape", "data"}` of an array already in `dtype` (`to_array`)."""
+    data = base64.b64encode(array.tobytes()).decode("ascii")
+    return {"dtype": dtype, "shape": list(array.shape), "data": data}
+
+
+def as_result(array: np.ndarray, dtype: str, as_torch: bool) -> Any:
+    """A received array as the caller gets it: a torch tensor (bfloat16 kept) when its input
+    was one, else numpy (bfloat16 widened to float32)."""
+    if as_torch:
+        import torch
+
+        tensor = torch.from_numpy(array)
+        return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+    return from_bfloat16_bits(array) if dtype == "bfloat16" else array
 
 
 def decode_tensor(payload: dict | None, as_torch: bool) -> Any:
@@ -97,14 +133,8 @@ def decode_tensor(payload: dict | None, as_torch: bool) -> Any:
     if payload is None:
         return None
     raw = bytearray(base64.b64decode(payload["data"]))
-    dtype = {**_TORCH_DTYPES, "float64": torch.float64, "int64": torch.int64}[payload["dtype"]]
-    flat = torch.frombuffer(raw, dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-    tensor = flat.reshape(tuple(payload["shape"]))
-    if as_torch:
-        return tensor
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
-        tensor = tensor.float()
-    return tensor.numpy()
+    array = np.frombuffer(raw, dtype=_WIRE_DTYPES[payload["dtype"]])
+    return as_result(array.reshape(tuple(payload["shape"])), payload["dtype"], as_torch)
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -254,19 +284,21 @@ class _Operations:
         """Give the context's geometry trained parameters: `state` is the `state_dict()` of a
         geometry of the context's spec (torch tensors or numpy arrays). Only before the first
         commit."""
-        tensors = {name: to_torch(tensor).clone() for name, tensor in state.items()}
+        tensors = {name: to_array(tensor) for name, tensor in state.items()}
         path = f"/v1/contexts/{context_id}/geometry-state"
         headers = {"Content-Type": SAFETENSORS}
         response = yield _Request("PUT", path, content=safetensors_save(tensors), headers=headers)
         return response.json()
 
-    def get_geometry_state(self, context_id: str) -> Operation:
-        """The context's geometry state (torch tensors), or None when it has none."""
+    def get_geometry_state(self, context_id: str, *, as_torch: bool = False) -> Operation:
+        """The context's geometry state (numpy arrays, or torch tensors), or None when it has
+        none."""
         path = f"/v1/contexts/{context_id}/geometry-state"
         response = yield _Request("GET", path)
         if response.status_code == 204:
             return None
-        return safetensors_load(response.content)
+        state = safetensors_load(response.content)
+        return {name: as_result(array, "float32", as_torch) for name, array in state.items()}
 
     # -- uploads ----------------------------------------------------------------------------
 
@@ -280,18 +312,18 @@ class _Operations:
     ) -> Operation:
         """Append keys `(heads, n, head_dim)` and values `(heads, n, value_dim)`, sent in
         `dtype` (the context's); raw bytes above `BINARY_THRESHOLD`, else JSON."""
-        keys, values = to_torch(keys, dtype), to_torch(values, dtype)
+        keys, values = to_array(keys, dtype), to_array(values, dtype)
         path = f"/v1/contexts/{context_id}/uploads/{upload_id}/chunks"
         if keys.nbytes + values.nbytes > BINARY_THRESHOLD:
             request = _Request(
                 "POST",
                 path,
-                content=raw_bytes(keys) + raw_bytes(values),
+                content=keys.tobytes() + values.tobytes(),
                 params={"tokens": keys.shape[1]},
                 headers={"Content-Type": "application/octet-stream"},
             )
         else:
-            body = {"keys": encode_tensor(keys, dtype), "values": encode_tensor(values, dtype)}
+            body = {"keys": _encoded(keys, dtype), "values": _encoded(values, dtype)}
             request = _Request("POST", path, json=body)
         response = yield request
         return response.json()
@@ -375,13 +407,13 @@ class _Operations:
             response = yield _Request("POST", path, json=body)
             return _attend_result(response.json(), is_torch(queries))
         content = safetensors_save(
-            {"queries": to_torch(queries)}, metadata={"options": json.dumps(options)}
+            {"queries": to_array(queries)}, metadata={"options": json.dumps(options)}
         )
         headers = {"Content-Type": SAFETENSORS, "Accept": SAFETENSORS}
         response = yield _Request("POST", path, content=content, headers=headers)
         tensors = safetensors_load(response.content)
         as_torch = is_torch(queries)
-        found = {name: tensor if as_torch else tensor.numpy() for name, tensor in tensors.items()}
+        found = {name: as_result(array, "", as_torch) for name, array in tensors.items()}
         return AttendResult(
             out=found["out"],
             lse=found["lse"],

@@ -8,6 +8,8 @@ import asyncio
 import http.server
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -369,7 +371,7 @@ def test_a_context_is_created_with_a_geometry_state_or_not_at_all(server, data):
         memory = RemoteMemory.create(
             client, H, D, geometry="product", mode="exact", geometry_state=geometry.state_dict()
         )
-        state = client.get_geometry_state(memory.context_id)
+        state = client.get_geometry_state(memory.context_id, as_torch=True)
         assert all(torch.equal(state[n], t) for n, t in geometry.state_dict().items())
         memory.append(keys, values)
         out, lse = memory.attend(queries)
@@ -385,3 +387,48 @@ def test_a_context_is_created_with_a_geometry_state_or_not_at_all(server, data):
         plain = client.create_context(H, D)
         assert client.get_geometry_state(plain["id"]) is None
         client.delete_context(plain["id"])
+
+
+TORCH_FREE_SESSION = """
+import sys
+sys.modules["torch"] = None  # any import of torch now fails
+import numpy as np
+from rewa.clients import Client
+keys, values, queries = (np.load(sys.argv[2])[name] for name in ("keys", "values", "queries"))
+answers = {}
+for dtype in ("float32", "bfloat16"):
+    for wire in ("safetensors", "json"):
+        with Client(sys.argv[1], wire=wire) as client:
+            context = client.create_context(2, 16, dtype=dtype)
+            client.upload(context["id"], keys, values, chunk_tokens=100)  # JSON and raw chunks
+            found = client.attend(context["id"], queries, mode="exact")
+            answers[f"{dtype}-{wire}-out"], answers[f"{dtype}-{wire}-lse"] = found.out, found.lse
+            answers[f"{dtype}-{wire}-ids"] = client.search(context["id"], queries, k=3).ids
+            assert client.get_geometry_state(context["id"]) is None
+            client.delete_context(context["id"])
+assert "torch" not in {name.partition(".")[0] for name, m in sys.modules.items() if m}
+np.savez(sys.argv[3], **answers)
+"""
+
+
+def test_the_client_works_without_torch(server, data, tmp_path):
+    keys, values = data[0][:, :700].numpy(), data[1][:, :700].numpy()
+    queries = data[2].numpy()
+    np.savez(tmp_path / "inputs.npz", keys=keys, values=values, queries=queries)
+    subprocess.run(
+        [sys.executable, "-c", TORCH_FREE_SESSION, server.url, tmp_path / "inputs.npz",
+         tmp_path / "answers.npz"],
+        check=True, timeout=120,
+    )  # fmt: skip
+    answers = np.load(tmp_path / "answers.npz")
+    geometry = make_geometry("dot", D)
+    for dtype in (torch.float32, torch.bfloat16):
+        k, v = (torch.from_numpy(a).to(dtype).float() for a in (keys, values))
+        out, lse = dense_attention(torch.from_numpy(queries), k, v, geometry)
+        q = torch.from_numpy(queries)
+        ids = torch.stack([exact_topk(q[h], k[h], geometry, 3) for h in range(H)])
+        name = "float32" if dtype == torch.float32 else "bfloat16"
+        for wire in ("safetensors", "json"):
+            _close(answers[f"{name}-{wire}-out"], out)
+            _close(answers[f"{name}-{wire}-lse"], lse)
+            assert np.array_equal(answers[f"{name}-{wire}-ids"], ids.numpy())

@@ -9,6 +9,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
+import tomllib
 
 import kubernetes_validate
 import pytest
@@ -235,14 +237,40 @@ def test_the_image_installs_the_requirements_before_it_copies_the_sources():
 
 
 def test_every_imported_package_is_declared():
-    """Third-party modules the service and clients import are in pyproject's dependencies."""
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    for module, requirement in (("safetensors", "safetensors"), ("httpx", "httpx"),
-                                ("fastapi_offline", "fastapi-offline")):  # fmt: skip
-        sources = "\n".join(p.read_text() for p in (ROOT / "clients").glob("*.py"))
-        sources += "\n".join(p.read_text() for p in (ROOT / "service").glob("*.py"))
-        assert re.search(rf"^\s*(from|import) {module}\b", sources, re.MULTILINE), module
-        assert f'"{requirement}>=' in pyproject.split("[project.optional-dependencies]")[0]
+    """Third-party modules the clients import are in pyproject's dependencies (what `pip install
+    rewa` brings), those of the service in its `service` extra, and those of rewa.llm in `llm`."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    declared = {
+        "clients": project["dependencies"],
+        "service": project["dependencies"] + extras["service"],
+        "llm": extras["llm"],
+    }
+    imported = {
+        "clients": ("safetensors", "httpx", "numpy"),
+        "service": ("fastapi_offline", "fastapi", "uvicorn", "redis", "torch", "safetensors"),
+        "llm": ("transformers", "torch"),
+    }
+    for package, modules in imported.items():
+        sources = "\n".join(p.read_text() for p in (ROOT / package).glob("*.py"))
+        names = {re.split(r"[<>=\[]", requirement)[0] for requirement in declared[package]}
+        for module in modules:
+            assert re.search(rf"^\s*(from|import) {module}\b", sources, re.MULTILINE), module
+            assert module.replace("_", "-") in names, (package, module)
+
+
+def test_the_client_imports_without_the_service_or_torch():
+    """`import rewa.clients` loads none of torch, fastapi, redis or uvicorn (a client-only
+    install has none of them; tests/test_client.py uses a client with torch blocked)."""
+    code = (
+        "import sys, rewa.clients; "
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & "
+        "{'torch', 'fastapi', 'redis', 'uvicorn', 'transformers'}))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
 
 
 def copied_paths() -> list[str]:
@@ -258,7 +286,7 @@ def test_the_image_copies_every_package_and_the_dockerignore_keeps_them():
     copied = {path.rstrip("/") for path in copied_paths()}
     pyproject = (ROOT / "pyproject.toml").read_text()
     package_dirs = set(re.findall(r'"rewa\.\w+" = "(\w+)"', pyproject))
-    assert package_dirs == {"attention", "index", "service", "clients"}
+    assert package_dirs == {"attention", "index", "service", "clients", "llm"}
     assert package_dirs | {"Makefile", "pyproject.toml", "README.md"} <= copied
     kept = {
         line[1:].rstrip("/")
