@@ -314,7 +314,7 @@ def client_import_section(records: list[dict]) -> str:
         "",
         "`.venv/bin/python benchmarks/client_import.py` (`client_import.json`, "
         "`client_import.png`): fresh interpreters, the",
-        "import's cumulative time (`-X importtime`) and the resident memory after it, "
+        "import statement's wall time and the resident memory after it, "
         f"{records[0]['rounds']} interleaved rounds (target: `rewa.clients` under 0.3 s).",
         "",
         "| module | median / fastest | resident memory |",
