@@ -239,13 +239,18 @@ class _Operations:
         index: dict | None = None,
         name: str | None = None,
         geometry_state: dict | None = None,
+        layers: int = 1,
     ) -> Operation:
         """Create an empty context; `geometry` is a name or `{"name", **options}`, `index`
         the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`);
-        `geometry_state` a trained geometry's `state_dict()` (`set_geometry_state`)."""
+        `geometry_state` a trained geometry's `state_dict()` (`set_geometry_state`). With
+        `layers` > 1, a multi-layer document: its tokens carry `layers x heads` heads (layer
+        0's first) and every query names its `layer`."""
         spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
         body = {"geometry": spec, "heads": heads, "head_dim": head_dim, "dtype": dtype}
         body |= _settings(value_dim=value_dim, index=index, name=name)
+        if layers != 1:
+            body["layers"] = layers
         response = yield _Request("POST", "/v1/contexts", json=body)
         context = response.json()
         if geometry_state is not None:
@@ -393,13 +398,21 @@ class _Operations:
         window: int | None = None,
         sinks: int | None = None,
         return_topk: int | None = None,
+        layer: int | None = None,
     ) -> Operation:
-        """Attention of queries `(heads, n, head_dim)` over the stored context: an
+        """Attention of queries `(heads, n, head_dim)` over the stored context (`layer`: the
+        layer of a multi-layer document): an
         `AttendResult`. `mode` tail (the server's default), topk or exact. With the client's
         `wire` safetensors (the default) queries and answer travel as safetensors bodies, else
         as base64 JSON."""
         options = {"exact": exact} | _settings(
-            mode=mode, k=k, budget=budget, window=window, sinks=sinks, return_topk=return_topk
+            mode=mode,
+            k=k,
+            budget=budget,
+            window=window,
+            sinks=sinks,
+            return_topk=return_topk,
+            layer=layer,
         )
         path = f"/v1/contexts/{context_id}/attend"
         if self.wire == "json":
@@ -424,10 +437,17 @@ class _Operations:
         )
 
     def search(
-        self, context_id: str, queries: Any, k: int = 10, *, exact: bool = False
+        self,
+        context_id: str,
+        queries: Any,
+        k: int = 10,
+        *,
+        exact: bool = False,
+        layer: int | None = None,
     ) -> Operation:
         """Each query's top `k` keys: a `SearchResult`."""
         body = {"queries": encode_tensor(queries), "k": k, "exact": exact}
+        body |= _settings(layer=layer)
         response = yield _Request("POST", f"/v1/contexts/{context_id}/search", json=body)
         found, as_torch = response.json(), is_torch(queries)
         return SearchResult(
@@ -451,13 +471,16 @@ class _Operations:
         budget: float | None = None,
         window: int | None = None,
         sinks: int | None = None,
+        layer: int | None = None,
     ) -> Operation:
         """Rows `[start, end)` of the stored context attend over it (`queries` for those rows,
         or the stored keys): an `AttendResult`."""
         body: dict[str, Any] = {"start": start, "causal": causal, "exact": exact}
         if queries is not None:
             body["queries"] = encode_tensor(queries)
-        body |= _settings(end=end, mode=mode, k=k, budget=budget, window=window, sinks=sinks)
+        body |= _settings(
+            end=end, mode=mode, k=k, budget=budget, window=window, sinks=sinks, layer=layer
+        )
         path = f"/v1/contexts/{context_id}/self-attention"
         response = yield _Request("POST", path, json=body)
         return _attend_result(response.json(), is_torch(queries))

@@ -197,7 +197,7 @@ class RequestMetrics:
 
 class ContentTypeCheck:
     """415 for a request body that is not JSON (or, for upload chunks, raw bytes; for attend,
-    safetensors; for a geometry state, safetensors only)."""
+    safetensors; for a geometry state, safetensors, also as raw bytes)."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -213,7 +213,7 @@ class ContentTypeCheck:
             elif scope["path"].endswith("/attend") and scope["path"] != "/v1/attend":
                 accepted.append(SAFETENSORS)
             elif scope["path"].endswith("/geometry-state"):
-                accepted = [SAFETENSORS]
+                accepted = [SAFETENSORS, "application/octet-stream"]
             if has_body and content_type not in accepted:
                 error = ApiError(
                     415,

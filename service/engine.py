@@ -36,7 +36,7 @@ from rewa.index import (
     retrieval_attention,
 )
 
-from .store import ContextStore
+from .store import ContextStore, stored_heads
 from .wire import FLOAT_DTYPES
 
 ContextKey = tuple[str, str, int]  # namespace, context id, version
@@ -126,6 +126,9 @@ class LoadedContext:
     # `keys` and `values` are the first n_tokens of these (spare capacity for appends).
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
+    # A layer of a multi-layer document: the heads `heads` of `parent` (`Engine.layer`).
+    parent: LoadedContext | None = None
+    heads: slice | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -211,7 +214,7 @@ class Engine:
         self, namespace: str, record: dict, segments: list[dict]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys `(H, n, d)` and values `(H, n, dv)` of `segments`, on the device in float32."""
-        heads, d, dv = record["heads"], record["head_dim"], record["value_dim"]
+        heads, d, dv = stored_heads(record), record["head_dim"], record["value_dim"]
         dtype = FLOAT_DTYPES[record["dtype"]]
         keys, values = [], []
         for segment in segments:
@@ -228,6 +231,21 @@ class Engine:
         return (
             torch.cat(keys, dim=1).to(self.device, torch.float32),
             torch.cat(values, dim=1).to(self.device, torch.float32),
+        )
+
+    def layer(self, loaded: LoadedContext, layer: int) -> LoadedContext:
+        """Layer `layer` of a multi-layer document: its heads' keys and values, and the slices
+        of the document's indexes (built over the whole document when first needed)."""
+        per_layer = loaded.record["heads"]
+        heads = slice(layer * per_layer, (layer + 1) * per_layer)
+        return LoadedContext(
+            key=loaded.key,
+            record=loaded.record,
+            geometry=loaded.geometry,
+            keys=loaded.keys[heads],
+            values=loaded.values[heads],
+            parent=loaded,
+            heads=heads,
         )
 
     def _take_earlier_version(self, namespace: str, record: dict) -> LoadedContext | None:
@@ -309,6 +327,9 @@ class Engine:
         """Per-head `KeyClusters`, built once per version (or loaded from the store)."""
         if loaded.clusters is not None:
             return loaded.clusters
+        if loaded.parent is not None:
+            loaded.clusters = self.clusters(loaded.parent)[loaded.heads]
+            return loaded.clusters
         namespace, context_id, version = loaded.key
         built = []
         start = time.perf_counter()
@@ -339,6 +360,9 @@ class Engine:
         spec = loaded.record["index"]
         kind = spec["kind"]
         if kind in loaded.search_indexes:
+            return loaded.search_indexes[kind]
+        if loaded.parent is not None:
+            loaded.search_indexes[kind] = self.search_index(loaded.parent)[loaded.heads]
             return loaded.search_indexes[kind]
         namespace, context_id, version = loaded.key
         options = dict(spec.get("options") or {})

@@ -46,7 +46,7 @@ from .schemas import (
     StatelessAttendResponse,
     UploadInfo,
 )
-from .store import NotFound, StoreUnavailable, TooLarge, new_id
+from .store import NotFound, StoreUnavailable, TooLarge, new_id, stored_heads
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,25 @@ def _check_queries(queries: torch.Tensor, record: dict, settings, param: str = "
             f"(REWA_MAX_QUERIES_PER_REQUEST), got {queries.shape[0]} x {queries.shape[1]}",
             param,
         )
+
+
+def _layer(layer: int | None, record: dict) -> int | None:
+    """The layer a query names: required, and below `layers`, for a multi-layer context; absent
+    (or 0) otherwise, which is None: the whole context."""
+    layers = record.get("layers", 1)
+    if layers == 1:
+        if layer not in (None, 0):
+            raise invalid("layer", "absent or 0 (the context has one layer)", layer)
+        return None
+    if layer is None or layer >= layers:
+        raise invalid("layer", f"a layer in [0, {layers}) (the context has {layers})", layer)
+    return layer
+
+
+def _loaded(engine, namespace: str, record: dict, layer: int | None):
+    """The loaded context, or the layer of it a query names (on the device worker)."""
+    loaded = engine.context(namespace, record)
+    return loaded if layer is None else engine.layer(loaded, layer)
 
 
 def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
@@ -357,6 +376,7 @@ async def create_context(body: ContextCreate, request: Request, namespace: str =
         "name": body.name,
         "geometry": body.geometry.model_dump(),
         "heads": body.heads,
+        "layers": body.layers,
         "head_dim": body.head_dim,
         "value_dim": body.value_dim or body.head_dim,
         "dtype": body.dtype,
@@ -391,9 +411,12 @@ async def delete_context(context_id: str, request: Request, namespace: str = Nam
 GEOMETRY_STATE_BODY = {
     "requestBody": {
         "required": True,
-        "content": {wire.SAFETENSORS: {"schema": {"type": "string", "format": "binary"}}},
-        "description": "the geometry's state_dict (float tensors), e.g. of a trained "
-        "GeometricAttention's geometry",
+        "content": {
+            media: {"schema": {"type": "string", "format": "binary"}}
+            for media in (wire.SAFETENSORS, OCTET_STREAM)
+        },
+        "description": "the geometry's state_dict (float tensors) as a safetensors file, e.g. "
+        "of a trained GeometricAttention's geometry",
     }
 }
 
@@ -416,10 +439,11 @@ async def put_geometry_state(context_id: str, request: Request, namespace: str =
             "before the first commit",
         )
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type != wire.SAFETENSORS:
+    if content_type not in (wire.SAFETENSORS, OCTET_STREAM):
         raise ApiError(
             415,
-            f"Content-Type: expected {wire.SAFETENSORS}, got {content_type or 'nothing'}",
+            f"Content-Type: expected {wire.SAFETENSORS} or {OCTET_STREAM}, got "
+            f"{content_type or 'nothing'}",
             "Content-Type",
         )
     raw = await request.body()
@@ -515,7 +539,8 @@ async def get_upload(context_id: str, upload_id: str, request: Request, namespac
                 OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
             },
             "description": "JSON keys and values, or raw bytes: keys (heads, tokens, head_dim) "
-            "then values (heads, tokens, value_dim), in the context's dtype, with ?tokens=n",
+            "then values (heads, tokens, value_dim), in the context's dtype, with ?tokens=n; "
+            "a multi-layer context's heads are layers x heads, layer 0's first",
         }
     },
 )
@@ -529,7 +554,8 @@ async def add_chunk(
     """Append keys and values for the next tokens to an open upload."""
     record = await _store(request, "get", namespace, context_id)
     chunks = await _store(request, "upload", namespace, context_id, upload_id)
-    heads, d, dv, dtype = record["heads"], record["head_dim"], record["value_dim"], record["dtype"]
+    heads, d, dv = stored_heads(record), record["head_dim"], record["value_dim"]
+    dtype = record["dtype"]
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     raw = await request.body()
     if content_type == OCTET_STREAM:
@@ -745,15 +771,16 @@ async def attend(
     settings = _settings(request)
     record = await _committed(request, namespace, context_id)
     body, queries = await _attend_body(request, record, settings)
+    layer = _layer(body.layer, record)
     mode = _mode(body.mode, body.exact, "tail", record)
     params = _params(body, record, settings, mode, body.return_topk)
     engine = request.app.state.engine
 
     def run(batch: list[Job]):
-        loaded = engine.context(namespace, record)
+        loaded = _loaded(engine, namespace, record, layer)
         return engine.attend(loaded, merged_payload(batch), params)
 
-    key = (namespace, context_id, record["version"], params)
+    key = (namespace, context_id, record["version"], layer, params)
     result = await _compute(
         request,
         response,
@@ -794,11 +821,13 @@ async def search(
     settings = _settings(request)
     record = await _committed(request, namespace, context_id)
     queries = _queries(body.queries, record, settings)
+    layer = _layer(body.layer, record)
     _check_k("k", body.k, record["n_tokens"], settings.max_k)
     engine = request.app.state.engine
 
     def run(_):
-        return engine.search(engine.context(namespace, record), queries, body.k, body.exact)
+        loaded = _loaded(engine, namespace, record, layer)
+        return engine.search(loaded, queries, body.k, body.exact)
 
     result = await _compute(
         request, response, Job(key=None, payload=None, size=queries.numel(), run=run)
@@ -846,13 +875,14 @@ async def self_attention(
             f"(REWA_MAX_SELF_ATTENTION_ROWS); page with start and end, got {end - body.start}",
             "end",
         )
+    layer = _layer(body.layer, record)
     mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail", record)
     params = _params(body, record, settings, mode, None)
     engine = request.app.state.engine
     start = body.start
 
     def run(_):
-        loaded = engine.context(namespace, record)
+        loaded = _loaded(engine, namespace, record, layer)
         rows = loaded.keys[:, start:end] if queries is None else queries
         positions = torch.arange(start, end, device=loaded.keys.device)
         return engine.attend(loaded, rows, params, positions=positions, causal=body.causal)

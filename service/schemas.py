@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -61,10 +61,21 @@ class IndexSpec(Strict):
     )
 
 
+Layer = Annotated[
+    integer(ge=0) | None,
+    Field(description="the layer queried, for a multi-layer context (required there)"),
+]
+
+
 class ContextCreate(Strict):
     name: str | None = Field(None, max_length=200)
     geometry: GeometrySpec
-    heads: integer(ge=1, le=256)
+    heads: integer(ge=1, le=256) = Field(description="heads per layer")
+    layers: integer(ge=1, le=256) = Field(
+        1,
+        description="layers of one sequence held together (a multi-layer document): tokens "
+        "carry layers x heads heads, layer 0's first; every query names its layer",
+    )
     head_dim: integer(ge=1, le=4096)
     value_dim: integer(ge=1, le=4096) | None = Field(None, description="default: head_dim")
     dtype: ContextDtype = "float32"
@@ -76,6 +87,7 @@ class ContextInfo(BaseModel):
     name: str | None
     geometry: dict[str, Any]
     heads: int
+    layers: int = 1
     head_dim: int
     value_dim: int
     dtype: ContextDtype
@@ -131,6 +143,7 @@ class ChunkBody(Strict):
 class AttendOptions(Strict):
     """An attend request without its queries: the `options` metadata of a safetensors body."""
 
+    layer: Layer = None
     mode: Mode | None = Field(None, description="default: tail")
     exact: bool = Field(False, description="shorthand for mode=exact")
     k: integer(ge=1) | None = Field(None, description="topk mode: keys attended (<= max_k)")
@@ -159,6 +172,7 @@ class SearchRequest(Strict):
     queries: TensorPayload
     k: integer(ge=1) = 10
     exact: bool = Field(False, description="exact top-K instead of the context's index")
+    layer: Layer = None
 
 
 class SearchResponse(BaseModel):
@@ -183,6 +197,7 @@ class SelfAttentionRequest(Strict):
     budget: float | None = Field(None, gt=0, le=1)
     window: integer(ge=0) | None = None
     sinks: integer(ge=0) | None = None
+    layer: Layer = None
 
 
 class SelfAttentionResponse(BaseModel):

@@ -55,6 +55,12 @@ def new_record(info: dict) -> dict:
     }
 
 
+def stored_heads(record: dict) -> int:
+    """The heads a context stores per token: `heads` of each of its `layers` (a multi-layer
+    document holds layer 0's heads first)."""
+    return record["heads"] * record.get("layers", 1)
+
+
 def committed(record: dict, chunks: list[dict], max_tokens: int) -> dict:
     """The record after appending `chunks` (`{"chunk", "tokens", ...}`)."""
     added = sum(chunk["tokens"] for chunk in chunks)

@@ -551,3 +551,59 @@ def test_a_context_with_a_trained_geometry_computes_what_the_trained_layer_compu
             assert answer.json()["error"]["param"] == "body", why
         assert client.put(path, json={"state": 1}).status_code == 415
         assert client.get(path).status_code == 204
+
+
+def test_a_multi_layer_document_is_uploaded_appended_attended_by_layer_and_deleted_whole(server):
+    layers, heads, n = 3, 2, 1800
+    generator = torch.Generator().manual_seed(9)
+    keys = torch.randn(layers * heads, n + 1, D, generator=generator)
+    values = torch.randn(layers * heads, n + 1, D, generator=generator)
+    queries = torch.randn(heads, 4, D, generator=generator)
+    geometry = make_geometry("dot", D)
+    with server.client() as client:
+        document = create_context(client, heads=heads, layers=layers)
+        assert (document["heads"], document["layers"]) == (heads, layers)
+        upload(client, document["id"], keys[:, :n], values[:, :n], chunk=700, binary=False)
+        appended = upload(client, document["id"], keys[:, n:], values[:, n:])  # one token
+        assert (appended["n_tokens"], appended["version"]) == (n + 1, 2)
+        for layer in range(layers):
+            mine = slice(layer * heads, (layer + 1) * heads)
+            k, v = keys[mine], values[mine]
+            out, lse, _ = attend(client, document["id"], queries, mode="exact", layer=layer)
+            expected = dense_attention(queries, k, v, geometry)
+            torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+            out, _, _ = attend(client, document["id"], queries, layer=layer)  # tail
+            for head in range(heads):
+                clusters = KeyClusters.build(geometry.witness(k[head]), v[head], geometry)
+                tail = retrieval_attention(
+                    queries[head], k[head], v[head], geometry, index=clusters, tail=True
+                )
+                torch.testing.assert_close(out[head], tail[0], rtol=1e-5, atol=1e-5)
+            found = client.post(
+                f"/v1/contexts/{document['id']}/search",
+                json={"queries": encode(queries), "k": 3, "exact": True, "layer": layer},
+            ).json()
+            best = torch.stack([(queries[h] @ k[h].T).topk(3).indices for h in range(heads)])
+            assert torch.equal(decode(found["ids"]), best)
+            rows = client.post(
+                f"/v1/contexts/{document['id']}/self-attention",
+                json={"start": n - 3, "causal": True, "exact": True, "layer": layer},
+            ).json()
+            expected = dense_attention(k[:, n - 3 :], k, v, geometry, causal=True)
+            torch.testing.assert_close(decode(rows["out"]), expected[0], rtol=1e-5, atol=1e-5)
+
+        path = f"/v1/contexts/{document['id']}/attend"
+        for layer in (None, 3):
+            body = {"queries": encode(queries), **({} if layer is None else {"layer": layer})}
+            answer = client.post(path, json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "layer"
+        single = create_context(client, heads=heads)
+        upload(client, single["id"], keys[:heads], values[:heads])
+        path = f"/v1/contexts/{single['id']}/attend"
+        assert client.post(path, json={"queries": encode(queries), "layer": 0}).status_code == 200
+        answer = client.post(path, json={"queries": encode(queries), "layer": 1})
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "layer"
+        for context in (document, single):
+            assert client.delete(f"/v1/contexts/{context['id']}").status_code == 200
+            assert client.get(f"/v1/contexts/{context['id']}").status_code == 404
