@@ -328,6 +328,33 @@ def client_import_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def minilm_layers_section(result: dict) -> str:
+    lines = [
+        "## MiniLM with a memory at every layer",
+        "",
+        "`.venv/bin/python benchmarks/minilm_layers.py` (`minilm_layers.json`, "
+        "`minilm_layers.png`): MiniLM reads",
+        f"{result['tokens']} tokens of the standard library's sources in {result['windows']} "
+        "windows of 512 through `EncoderMemory`, a memory at each of its 6 layers",
+        "([llm.md](llm.md)). Relative error of each token's hidden state against exact "
+        f"memories, over the windows from the {result['measured_from_window']}th on; "
+        "median / p99 after layers 1 and 6, and seconds per window.",
+        "",
+        "| mode | after layer 1 | after layer 6 (final) | s per window |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in result["records"]:
+        if r["mode"] == "exact":
+            lines.append(f"| exact | 0 | 0 | {r['seconds_per_window']:.2f} |")
+            continue
+        lines.append(
+            f"| {r['mode']} | {r['median_by_layer'][1]:.3f} / {r['p99_by_layer'][1]:.3f} | "
+            f"{r['median_by_layer'][-1]:.3f} / {r['p99_by_layer'][-1]:.3f} | "
+            f"{r['seconds_per_window']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     sections = [HEADER]
     dense = RESULTS / "dense.json"
@@ -345,6 +372,7 @@ def render() -> str:
         ("llm_decode", llm_decode_section),
         ("wire", wire_section),
         ("client_import", client_import_section),
+        ("minilm_layers", minilm_layers_section),
     ):
         path = RESULTS / f"{name}.json"
         if path.exists():

@@ -4,6 +4,7 @@ transformers model (docs/llm.md)."""
 
 from .transformers_memory import (
     AttentionMemory,
+    EncoderMemory,
     MemoryLayer,
     RewaCache,
     enable,
@@ -14,6 +15,7 @@ from .transformers_memory import (
 
 __all__ = [
     "AttentionMemory",
+    "EncoderMemory",
     "MemoryLayer",
     "RewaCache",
     "enable",

@@ -23,14 +23,19 @@ variable that the attention function takes (and clears). A layer the cache holds
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+)
 
 from rewa.attention import merge_attention
 from rewa.clients import RemoteMemory
@@ -61,6 +66,7 @@ class AttentionMemory(Protocol):
 MemoryFactory = Callable[[int, int, int, int, float], AttentionMemory]
 
 _CURRENT: ContextVar[MemoryLayer | None] = ContextVar("rewa_memory_layer", default=None)
+_ENCODER: ContextVar[EncoderMemory | None] = ContextVar("rewa_encoder_memory", default=None)
 
 
 class MemoryLayer(DynamicLayer):
@@ -242,6 +248,65 @@ class RewaCache(Cache):
         self.close()
 
 
+class EncoderMemory:
+    """A bidirectional encoder (BERT, MiniLM) reading a long document window by window, with a
+    memory per layer: inside `with memory.reading():`, each attention layer of the model (its
+    attention implementation `"rewa"`, `enable`) attends the window's own keys (all of them,
+    no mask) and the layer's memory of every earlier window, merged by log-sum-exp; then the
+    window's keys and values join that memory. With exact memories a window's hidden states are
+    those of attention over all the tokens read so far (block-causal over windows).
+    Layers outside `layers` (default: all) attend their window only. `close()` frees the
+    memories."""
+
+    def __init__(self, memory: MemoryFactory, *, layers: Iterable[int] | None = None) -> None:
+        self.memory_factory = memory
+        self.layers = None if layers is None else set(layers)
+        self.memories: dict[int, AttentionMemory] = {}
+
+    @contextmanager
+    def reading(self) -> Iterator[EncoderMemory]:
+        token = _ENCODER.set(self)
+        try:
+            yield self
+        finally:
+            _ENCODER.reset(token)
+
+    def attend(self, layer_idx, query, key, value, scaling: float) -> torch.Tensor:
+        """The window's attention at layer `layer_idx`: `(1, m, heads, dv)`."""
+        if query.shape[0] != 1:
+            raise ValueError(f"rewa memory reads one sequence: batch size 1, got {query.shape[0]}")
+        if self.layers is not None and layer_idx not in self.layers:
+            return _exact(query, key, value, scaling, causal=False)
+        kv_heads, head_dim = key.shape[1], key.shape[-1]
+        group = query.shape[1] // kv_heads
+        grouped = query[0].float().reshape(kv_heads, group * query.shape[2], head_dim)
+        keys, values = key[0].float(), value[0].float()
+        logits = (grouped @ keys.transpose(-1, -2)) * scaling
+        parts = [(torch.softmax(logits, -1) @ values, torch.logsumexp(logits, -1))]
+        memory = self.memories.get(layer_idx)
+        if memory is not None:
+            out, lse = memory.attend(grouped)
+            parts.append((out.to(grouped.device), lse.to(grouped.device)))
+        else:
+            memory = self.memory_factory(layer_idx, kv_heads, head_dim, values.shape[-1], scaling)
+            self.memories[layer_idx] = memory
+        out, _ = merge_attention(*parts)
+        memory.append(keys, values)
+        out = out.reshape(query.shape[1], query.shape[2], -1)
+        return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+    def close(self) -> None:
+        for memory in self.memories.values():
+            memory.close()
+        self.memories.clear()
+
+    def __enter__(self) -> EncoderMemory:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+
 def rewa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -259,20 +324,25 @@ def rewa_attention(
     if dropout:
         raise ValueError("rewa attention is for inference: call model.eval() (no dropout)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    layer_idx = getattr(module, "layer_idx", None)
     layer = _CURRENT.get()
     _CURRENT.set(None)
-    if layer is not None and layer.layer_idx == getattr(module, "layer_idx", None):
+    if layer is not None and layer.layer_idx == layer_idx:
         return layer.attend(query, scaling), None
-    return _exact_causal(query, key, value, scaling), None
+    encoder = _ENCODER.get()
+    if encoder is not None:
+        return encoder.attend(layer_idx, query, key, value, scaling), None
+    return _exact(query, key, value, scaling, getattr(module, "is_causal", True)), None
 
 
-def _exact_causal(query, key, value, scaling):
-    """Full causal attention, the queries being the last `m` of the `n` keys' positions."""
+def _exact(query, key, value, scaling, causal: bool):
+    """Full attention (causal: the queries are the last `m` of the `n` keys' positions)."""
     group = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(group, dim=1)
     value = value.repeat_interleave(group, dim=1)
     m, n = query.shape[-2], key.shape[-2]
-    allowed = torch.ones(m, n, dtype=torch.bool, device=query.device).tril(n - m)
+    allowed = torch.ones(m, n, dtype=torch.bool, device=query.device)
+    allowed = allowed.tril(n - m) if causal else allowed
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, scale=scaling
     )
@@ -286,14 +356,15 @@ def rewa_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> None:
-    """The mask of the `"rewa"` implementation: none (it masks causally itself), after checking
-    that the model asks for nothing else: one unpadded causal sequence."""
+    """The mask of the `"rewa"` implementation: none (it masks causally itself where the
+    attention module is causal), after checking that the model asks for nothing else: one
+    unpadded causal or bidirectional sequence."""
     if batch_size != 1:
         raise ValueError(f"rewa attention runs one sequence: batch size 1, got {batch_size}")
-    if mask_function is not causal_mask_function:
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
         raise ValueError(
-            "rewa attention supports plain causal attention only (no sliding window, "
-            "bidirectional or packed masks)"
+            "rewa attention supports plain causal or bidirectional attention only (no sliding "
+            "window, chunked or packed masks)"
         )
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("rewa attention runs one unpadded sequence: the attention mask has zeros")

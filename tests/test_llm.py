@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rewa.attention import dense_attention, make_geometry
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, LocalMemory, retrieval_attention
-from rewa.llm import RewaCache, enable, local_memories, remote_memories
+from rewa.llm import EncoderMemory, RewaCache, enable, local_memories, remote_memories
 from tests.service_support import Server
 
 TOKENS = 4096
@@ -250,3 +250,46 @@ def test_the_integration_refuses_what_it_cannot_compute(models, tokens):
         RewaCache(model.config, memories, layers=[2])
     with pytest.raises(ValueError, match="spill"):
         RewaCache(model.config, memories, spill=0)
+
+
+# -- an encoder: MiniLM reading a document window by window -----------------------------------
+
+
+def test_minilm_with_an_exact_memory_at_every_layer_is_block_causal_full_attention():
+    """MiniLM (real weights, offline) reads 8 windows of the standard library's sources with an
+    `EncoderMemory` at each of its 6 layers. With exact memories every window's final hidden
+    states equal one forward over the whole document whose mask lets each window see itself
+    and every earlier window (positions restarting per window, as the windows were read). The
+    sparse modes run the same way (their errors: benchmarks/minilm_layers.py)."""
+    from benchmarks.text_data import load_model, source_tokens
+
+    sentence_model = load_model()
+    bert, tokenizer = sentence_model[0].auto_model, sentence_model.tokenizer
+    content, n_windows = 126, 8
+    ids, _ = source_tokens(tokenizer, content * n_windows)
+    cls, sep = torch.tensor([tokenizer.cls_token_id]), torch.tensor([tokenizer.sep_token_id])
+    windows = [torch.cat([cls, part, sep]) for part in ids.split(content)]
+    length = content + 2
+    window_of = torch.arange(n_windows).repeat_interleave(length)
+    block_causal = window_of.unsqueeze(1) >= window_of.unsqueeze(0)
+    bert.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        reference = bert(
+            input_ids=torch.cat(windows).unsqueeze(0),
+            position_ids=torch.arange(length).repeat(n_windows).unsqueeze(0),
+            attention_mask=block_causal.view(1, 1, *block_causal.shape),
+        ).last_hidden_state[0]
+    enable(bert)
+    results = {}
+    for mode in ("exact", "tail", "topk"):
+        with EncoderMemory(local_memories(mode=mode)) as memory, memory.reading():
+            with torch.no_grad():
+                states = [bert(input_ids=w.unsqueeze(0)).last_hidden_state[0] for w in windows]
+            assert sorted(memory.memories) == list(range(6))
+            assert all(m.n_tokens == length * n_windows for m in memory.memories.values())
+        results[mode] = torch.cat(states)
+    torch.testing.assert_close(results["exact"], reference, rtol=0, atol=1e-4)
+    for mode in ("tail", "topk"):  # the first window has no memory: exact in every mode
+        torch.testing.assert_close(results[mode][:length], reference[:length], rtol=0, atol=1e-4)
+        assert torch.isfinite(results[mode]).all()
+    bert.set_attn_implementation("sdpa")
