@@ -18,7 +18,11 @@ them (after rotary embeddings), so the memory needs no positions.
 How the attention function finds its layer's memory: the model calls `cache.update` and then
 the attention function, in the same layer and thread; `update` leaves the layer in a context
 variable that the attention function takes (and clears). A layer the cache holds without memory
-(a chosen subset of layers) attends its cached keys exactly."""
+(a chosen subset of layers) attends its cached keys exactly.
+
+`EncoderMemory` does the same for a bidirectional encoder (BERT, MiniLM) reading a document
+window by window: each window attends itself and the memory of the earlier windows, layer by
+layer, and then joins that memory."""
 
 from __future__ import annotations
 
@@ -137,14 +141,9 @@ class MemoryLayer(DynamicLayer):
         """Exact causal attention of grouped queries over the local keys before `end`."""
         key_positions = self.local_positions()
         visible = int((key_positions < end).sum())
-        keys = self.keys[0, :, :visible].float()
-        values = self.values[0, :, :visible].float()
-        logits = (grouped @ keys.transpose(-1, -2)) * scaling
         future = key_positions[:visible].unsqueeze(0) > positions.unsqueeze(1)
-        logits = logits.masked_fill(future, -math.inf)
-        lse = torch.logsumexp(logits, dim=-1)
-        out = torch.softmax(logits, dim=-1) @ values
-        return out, lse
+        keys, values = self.keys[0, :, :visible], self.values[0, :, :visible]
+        return _attention(grouped, keys, values, scaling, hidden=future)
 
     def _spill_before(self, position: int, scaling: float) -> None:
         """Move the recent tokens before `position - window` (none of the queries from
@@ -281,8 +280,7 @@ class EncoderMemory:
         group = query.shape[1] // kv_heads
         grouped = query[0].float().reshape(kv_heads, group * query.shape[2], head_dim)
         keys, values = key[0].float(), value[0].float()
-        logits = (grouped @ keys.transpose(-1, -2)) * scaling
-        parts = [(torch.softmax(logits, -1) @ values, torch.logsumexp(logits, -1))]
+        parts = [_attention(grouped, keys, values, scaling)]
         memory = self.memories.get(layer_idx)
         if memory is not None:
             out, lse = memory.attend(grouped)
@@ -305,6 +303,15 @@ class EncoderMemory:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _attention(grouped, keys, values, scaling: float, hidden=None):
+    """Exact `(out, lse)` of grouped queries `(kv_heads, g m, d)` over keys and values
+    `(kv_heads, n, .)`, in float32; `hidden` `(g m, n)` marks the keys a query must not see."""
+    logits = (grouped @ keys.float().transpose(-1, -2)) * scaling
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, -math.inf)
+    return torch.softmax(logits, dim=-1) @ values.float(), torch.logsumexp(logits, dim=-1)
 
 
 def rewa_attention(

@@ -2,10 +2,14 @@
 
 All compute runs on one worker thread per process (the device's), off the event loop. Jobs
 wait in one queue; the dispatcher takes whatever has arrived (waiting `max_wait_ms` for more
-after the first), merges jobs with the same batch key (attention on the same context version
-with the same parameters) into one call of at most `max_queries` queries, runs the calls one
-after another on the worker, and hands each job its slice of the result. While a call runs,
-new jobs queue up and merge into the next one, so batches grow with load.
+after the first, while requests have lately been arriving together), merges jobs with the same
+batch key (attention on the same context version with the same parameters) into one call of at
+most `max_queries` queries, runs the calls one after another on the worker, and hands each job
+its slice of the result. While a call runs, new jobs queue up and merge into the next one, so
+batches grow with load. A lone client's requests (a decode loop asking one layer at a time)
+find nothing to merge: once the recent dispatches have found one job each, the wait is skipped
+and a request starts at once (it cost every such request `max_wait_ms`); the first dispatch
+that finds several jobs brings the wait back.
 
 Admission is bounded twice, so that a burst is answered at once rather than queued for tens of
 seconds:
@@ -38,6 +42,9 @@ from typing import Any
 import torch
 
 RETRY_AFTER_MAX_S = 60
+# Below this share of recent dispatches that found several jobs, the dispatcher stops waiting
+# for more (0.8^14 < 0.05: after 14 dispatches of one job each).
+TOGETHER_FLOOR = 0.05
 
 
 class Overloaded(Exception):
@@ -106,6 +113,13 @@ class Batcher:
         self.waiting = 0
         self.running = 0
         self._call_seconds = 0.0  # moving average of one device call
+        # Moving average of whether a dispatch found more than one job (module docstring).
+        self._together = 1.0
+
+    @property
+    def gathering(self) -> bool:
+        """Whether the dispatcher waits `max_wait_ms` for more jobs after the first."""
+        return self.batching and self.max_wait > 0 and self._together > TOGETHER_FLOOR
 
     @property
     def pending(self) -> int:
@@ -195,12 +209,14 @@ class Batcher:
         while True:
             first = await self._queue.get()
             jobs = [] if first is None else [first]
-            if jobs and self.batching and self.max_wait > 0:
+            if jobs and self.gathering:
                 await asyncio.sleep(self.max_wait)
             while not self._queue.empty():
                 job = self._queue.get_nowait()
                 if job is not None:
                     jobs.append(job)
+            if jobs:
+                self._together = 0.8 * self._together + 0.2 * (len(jobs) > 1)
             for batch in self._batches(jobs):
                 batch = [job for job in batch if not job.future.done()]  # withdrawn or cancelled
                 if not batch:

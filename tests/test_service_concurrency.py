@@ -82,7 +82,9 @@ def test_32_concurrent_clients_get_correct_results():
 
 
 def test_a_full_queue_answers_429_with_retry_after():
-    server = Server(queue_size=2, batching="false").start()
+    # The count bound is tested; no time bound (a second request waits for the first's compute,
+    # which passed the 5 s default on a loaded machine and made it a wait_timeout 429).
+    server = Server(queue_size=2, batching="false", max_queue_wait_s=600).start()
     try:
         with server.client() as client:
             context = create_context(client, geometry={"name": "poincare"})
@@ -355,3 +357,24 @@ def test_decode_of_responses_round_trips_every_wire_dtype():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.int64):
         tensor = (torch.arange(24).reshape(2, 3, 4) - 5).to(dtype)
         assert torch.equal(decode(encode(tensor)), tensor)
+
+
+def test_a_lone_client_stops_paying_the_batching_wait_and_concurrency_brings_it_back():
+    async def scenario():
+        batcher = Batcher(batching=True, max_queries=100, max_wait_ms=5, queue_size=10)
+        await batcher.start()
+        try:
+            assert batcher.gathering
+            for job in _jobs([1] * 14):  # one at a time: nothing to merge
+                await batcher.submit(job)
+            lone = batcher.gathering
+            jobs = _jobs([1, 2, 3])  # together: merged even without the wait
+            results = await asyncio.gather(*(batcher.submit(job) for job in jobs))
+            return lone, results, batcher.gathering
+        finally:
+            await batcher.stop()
+
+    lone, results, after = asyncio.run(scenario())
+    assert not lone
+    assert all(int(result["calls"][0, 0]) == 3 for result in results)
+    assert after
