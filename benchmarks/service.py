@@ -119,6 +119,10 @@ def upload(url: str, tokens: int) -> tuple[str, float, int]:
             response.raise_for_status()
         client.post(f"/v1/contexts/{context['id']}/uploads/{upload_id}/commit").raise_for_status()
         seconds = time.perf_counter() - start
+        # The commit builds the clusters in the background; waiting for them here keeps the
+        # warm-up's first attend from queueing behind that build (past REWA_MAX_QUEUE_WAIT_S).
+        built = client.post(f"/v1/contexts/{context['id']}/index", json={"modes": ["tail"]})
+        built.raise_for_status()
     return context["id"], seconds, sum(len(body) for body in bodies)
 
 

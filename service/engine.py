@@ -11,7 +11,12 @@ A commit appends tokens. When an earlier version of the context is cached, the n
 made from it: only the new segments are read from the store, keys and values are appended to
 buffers with spare capacity, and the indexes built so far are extended with the new keys
 (`extend`: an assignment per key; retraining only when the trained prefix moves), which gives
-what a build over the whole version gives (docs/indexes.md, "Appends")."""
+what a build over the whole version gives (docs/indexes.md, "Appends").
+
+A context's geometry is its spec's, built from a fixed seed, with the trained state the context
+carries (`GEOMETRY_STATE`) loaded over it. A multi-layer document is one context whose stored
+heads are its layers' heads, layer 0's first; `Engine.layer` gives one layer as a view whose
+indexes are slices of the document's (docs/llm.md)."""
 
 from __future__ import annotations
 

@@ -118,10 +118,13 @@ async def _store(request: Request, method: str, *args) -> Any:
         raise ApiError(503, str(error), headers={"Retry-After": "1"}) from None
 
 
-async def _compute(request: Request, response: Response, job: Job) -> Any:
-    """Run a job on the device worker; its queue wait and compute time go into `Server-Timing`."""
+async def _compute(request: Request, response: Response, job: Job, background=False) -> Any:
+    """Run a job on the device worker; its queue wait and compute time go into `Server-Timing`.
+    `background`: as a background job (`Batcher.background`: when no request waits, without
+    admission bounds), for a request that waits for index builds by nature."""
+    batcher = request.app.state.batcher
     try:
-        result = await request.app.state.batcher.submit(job)
+        result = await (batcher.background(job) if background else batcher.submit(job))
     except Overloaded as error:
         why = (
             "the device queue is full (REWA_QUEUE_SIZE)"
@@ -624,16 +627,20 @@ def _in_background(app, coroutine) -> None:
     task.add_done_callback(tasks.discard)
 
 
-def _build_job(engine, namespace: str, record: dict, modes: list[str]) -> Job:
+def _build_job(
+    engine, namespace: str, record: dict, modes: list[str], replaceable: bool = True
+) -> Job:
     """A device job that loads the record's version and builds the modes' indexes; its result
-    is the seconds that took."""
+    is the seconds that took. A `replaceable` one is dropped, while it waits, for a later
+    commit's build of the same context."""
 
     def run(_):
         start = time.perf_counter()
         engine.build_indexes(engine.context(namespace, record), modes)
         return time.perf_counter() - start
 
-    return Job(key=None, payload=None, size=1, run=run, replaces=(namespace, record["id"]))
+    replaces = (namespace, record["id"]) if replaceable else None
+    return Job(key=None, payload=None, size=1, run=run, replaces=replaces)
 
 
 async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
@@ -665,7 +672,7 @@ async def get_index_state(context_id: str, request: Request, namespace: str = Na
     "/contexts/{context_id}/index",
     response_model=IndexState,
     tags=["contexts"],
-    responses=errors(*STORE, *BODY, 404, 409, 429),
+    responses=errors(*STORE, *BODY, 404, 409),
 )
 async def build_index(
     context_id: str,
@@ -675,14 +682,16 @@ async def build_index(
     namespace: str = Namespace,
 ):
     """Load the latest version and build the modes' indexes now, answering when they are
-    built (a client waits for them so that its first attend does not pay the build)."""
+    built (a client waits for them so that its first attend does not pay the build). It runs
+    as a background job: after the commit's own build when that one has started (then it only
+    finds the indexes built), and never refused for waiting, however long that build takes."""
     record = await _committed(request, namespace, context_id)
     modes = (body.modes if body and body.modes else None) or _default_modes(record)
     for mode in modes:
         _mode(mode, False, "tail", record)  # tail for a geometry without a lift: 400
     engine = request.app.state.engine
-    job = _build_job(engine, namespace, record, sorted(set(modes)))
-    seconds = await _compute(request, response, job)
+    job = _build_job(engine, namespace, record, sorted(set(modes)), replaceable=False)
+    seconds = await _compute(request, response, job, background=True)
     state = engine.index_state(namespace, record)
     return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)
 

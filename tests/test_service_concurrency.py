@@ -378,3 +378,20 @@ def test_a_lone_client_stops_paying_the_batching_wait_and_concurrency_brings_it_
     assert not lone
     assert all(int(result["calls"][0, 0]) == 3 for result in results)
     assert after
+
+
+def test_waiting_for_the_index_is_never_refused_for_the_time_a_commits_build_takes():
+    """A commit starts its index build in the background; a client that then asks to wait for
+    the index (POST /index) queues behind that build, which may take longer than
+    REWA_MAX_QUEUE_WAIT_S (here 1 ms). It is answered once the index is built, never 429."""
+    server = Server(max_queue_wait_s=0.001).start()
+    try:
+        with server.client() as client:
+            for _ in range(3):
+                context = create_context(client)
+                upload(client, context["id"], torch.randn(H, N, D), torch.randn(H, N, D))
+                response = client.post(f"/v1/contexts/{context['id']}/index")
+                assert response.status_code == 200, response.text
+                assert response.json()["built"] == ["tail"]
+    finally:
+        server.kill()
