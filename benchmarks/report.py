@@ -355,6 +355,33 @@ def minilm_layers_section(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def service_section(records: list[dict]) -> str:
+    upload = next(r for r in records if r["mode"] == "upload")
+    lines = [
+        "## The service under load",
+        "",
+        "`.venv/bin/python benchmarks/service.py` (`service.json`, `service.png`): decode-style "
+        "attend requests (8 heads x 1 query,",
+        f"d = 64) on a {upload['tokens']}-token context from concurrent clients on the same "
+        "machine as the server, batching on and off",
+        f"(upload of the context: {upload['seconds']:.1f} s for "
+        f"{upload['bytes'] / 2**20:.0f} MiB). CPU: per request, of the server and of the "
+        "clients' process.",
+        "",
+        "| mode | batching | clients | p50 / p99 | requests/s | server CPU | clients' CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in records:
+        if r["mode"] == "upload":
+            continue
+        lines.append(
+            f"| {r['mode']} | {'on' if r['batching'] else 'off'} | {r['clients']} | "
+            f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | {r['requests_per_s']:.0f} | "
+            f"{r['server_cpu_ms_per_request']:.1f} ms | {r['client_cpu_ms_per_request']:.1f} ms |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
     sections = [HEADER]
     dense = RESULTS / "dense.json"
@@ -366,6 +393,7 @@ def render() -> str:
     if admission.exists():
         sections.append(admission_section(json.loads(admission.read_text())))
     for name, section in (
+        ("service", service_section),
         ("scaling", scaling_section),
         ("appends", appends_section),
         ("causal_tail", causal_tail_section),
