@@ -2,6 +2,7 @@
 attention implementation plug a memory (in process or over HTTP) into a Hugging Face
 transformers model (docs/llm.md)."""
 
+from .document import DocumentLayer, RemoteDocument
 from .transformers_memory import (
     AttentionMemory,
     EncoderMemory,
@@ -15,8 +16,10 @@ from .transformers_memory import (
 
 __all__ = [
     "AttentionMemory",
+    "DocumentLayer",
     "EncoderMemory",
     "MemoryLayer",
+    "RemoteDocument",
     "RewaCache",
     "enable",
     "local_memories",

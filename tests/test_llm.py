@@ -16,7 +16,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rewa.attention import dense_attention, make_geometry
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, LocalMemory, retrieval_attention
-from rewa.llm import EncoderMemory, RewaCache, enable, local_memories, remote_memories
+from rewa.llm import (
+    EncoderMemory,
+    RemoteDocument,
+    RewaCache,
+    enable,
+    local_memories,
+    remote_memories,
+)
 from tests.service_support import Server
 
 TOKENS = 4096
@@ -293,3 +300,34 @@ def test_minilm_with_an_exact_memory_at_every_layer_is_block_causal_full_attenti
         torch.testing.assert_close(results[mode][:length], reference[:length], rtol=0, atol=1e-4)
         assert torch.isfinite(results[mode]).all()
     bert.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("mode", ["exact", "tail"])
+def test_every_layer_in_one_multi_layer_document(mode, models, tokens, full_logits, server):
+    """`RemoteDocument`: one context holds every layer's memory, one commit per spill for all
+    layers (each layer reads its staged tokens exactly until the last layer has spilled them)."""
+    reference, model = models
+    with Client(server.url) as client:
+        document = RemoteDocument(client, range(2), mode=mode)
+        with RewaCache(model.config, document.memory) as cache:
+            logits = _logits_with(model, tokens, cache)
+            (context,) = client.list_contexts()
+            assert (context["layers"], context["n_tokens"]) == (2, cache.layers[0].n_spilled)
+            assert all(not blocks for blocks in document.staged.values())
+        assert client.list_contexts() == []
+        if mode == "exact":
+            torch.testing.assert_close(logits, full_logits, rtol=0, atol=1e-4)
+            prompt = tokens[:, :1500]
+            with torch.no_grad():
+                expected = reference.generate(prompt, max_new_tokens=32, do_sample=False)
+                with RewaCache(
+                    model.config, RemoteDocument(client, [0, 1], mode=mode).memory
+                ) as cache:
+                    generated = model.generate(
+                        prompt, max_new_tokens=32, do_sample=False, past_key_values=cache
+                    )
+            assert torch.equal(generated, expected)
+        else:
+            assert _argmax_agreement(logits, full_logits) >= 0.99
+        with pytest.raises(ValueError, match="distinct"):
+            RemoteDocument(client, [0, 0])

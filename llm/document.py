@@ -1,0 +1,113 @@
+"""Every layer's memory in one multi-layer document on a rewa service (docs/llm.md, "Multi-layer
+documents"): one context for the whole model, one commit per spill for all layers, deleted as
+one unit.
+
+A model's layers spill the same tokens, but one after another within a forward pass, and a
+commit must hold every layer's keys. So a layer's spilled tokens are staged in the process until
+the last layer has spilled them too, and then committed together. Until then the layer reads its
+staged tokens exactly, here, and merges them with the document's answer for its layer: the
+attention is the same as if they had been committed at once. While decoding, at most one spill
+of each layer is staged; in a long prompt's forward pass every layer but the last reads the
+prompt's spilled tokens exactly (dense cost) until the last layer commits them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rewa.attention import merge_attention
+from rewa.clients import Client
+
+
+class RemoteDocument:
+    """A multi-layer context created at the first spill of the first layer, holding the memory
+    layers `layers` (model layer indexes) in that order. `options` are the attend endpoint's
+    (`mode`, `budget`, `k`...)."""
+
+    def __init__(self, client: Client, layers: Sequence[int], **options: Any) -> None:
+        if not layers or len(set(layers)) != len(layers):
+            raise ValueError(f"expected distinct memory layers, got {list(layers)}")
+        self.client = client
+        self.layers = list(layers)
+        self.options = options
+        self.context_id: str | None = None
+        self.shape: tuple[int, int, int, float] | None = None  # heads, head_dim, value_dim, scale
+        self.committed = 0
+        self.staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {
+            layer: [] for layer in self.layers
+        }
+
+    def memory(self, layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
+        """The memory of model layer `layer` (a `MemoryFactory`)."""
+        if layer not in self.staged:
+            raise ValueError(f"layer {layer} is not among the document's layers {self.layers}")
+        shape = (heads, head_dim, value_dim, scale)
+        if self.shape is None:
+            spec = {"name": "dot", "scale": scale}
+            context = self.client.create_context(
+                heads, head_dim, geometry=spec, value_dim=value_dim, layers=len(self.layers)
+            )
+            self.context_id, self.shape = context["id"], shape
+        elif shape != self.shape:
+            raise ValueError(
+                f"every layer of a document has the same (heads, head_dim, value_dim, scale): "
+                f"{self.shape}, but layer {layer} has {shape}"
+            )
+        return DocumentLayer(self, layer)
+
+    def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stage a layer's spilled tokens; commit every layer's oldest staged block once each
+        layer has one."""
+        self.staged[layer].append((keys.detach().float().cpu(), values.detach().float().cpu()))
+        while all(self.staged[layer] for layer in self.layers):
+            blocks = [self.staged[layer].pop(0) for layer in self.layers]
+            tokens = {block[0].shape[1] for block in blocks}
+            if len(tokens) != 1:
+                raise ValueError(f"the layers spilled different token counts: {sorted(tokens)}")
+            keys = torch.cat([block[0] for block in blocks])
+            values = torch.cat([block[1] for block in blocks])
+            self.committed = self.client.upload(self.context_id, keys, values)["n_tokens"]
+
+    def attend(self, layer: int, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s attention over its committed and staged tokens."""
+        parts = []
+        if self.committed:
+            position = self.layers.index(layer)
+            found = self.client.attend(self.context_id, queries, layer=position, **self.options)
+            parts.append((found.out.to(queries.device), found.lse.to(queries.device)))
+        for keys, values in self.staged[layer]:
+            logits = (queries.float() @ keys.to(queries.device).transpose(-1, -2)) * self.shape[3]
+            out = torch.softmax(logits, dim=-1) @ values.to(queries.device)
+            parts.append((out, torch.logsumexp(logits, dim=-1)))
+        return merge_attention(*parts)
+
+    def close(self) -> None:
+        """Delete the document (once) and forget what is staged."""
+        if self.context_id is not None:
+            self.client.delete_context(self.context_id)
+        self.context_id, self.shape, self.committed = None, None, 0
+        for blocks in self.staged.values():
+            blocks.clear()
+
+
+class DocumentLayer:
+    """One layer's view of a `RemoteDocument`, with the interface of `AttentionMemory`."""
+
+    def __init__(self, document: RemoteDocument, layer: int) -> None:
+        self.document, self.layer = document, layer
+
+    @property
+    def n_tokens(self) -> int:
+        staged = sum(keys.shape[1] for keys, _ in self.document.staged[self.layer])
+        return self.document.committed + staged
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.document.stage(self.layer, keys, values)
+
+    def attend(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.document.attend(self.layer, queries)
+
+    def close(self) -> None:
+        self.document.close()
