@@ -100,3 +100,13 @@ def test_the_model_memory_example_generates_what_full_attention_generates():
         [sys.executable, "-c", example], capture_output=True, text=True, timeout=300, check=True
     )
     assert result.stdout.splitlines() == ["1276", "True"]
+
+
+def test_the_llm_guide_example_runs():
+    text = (ROOT / "docs" / "llm.md").read_text()
+    example = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    code = example + "\nprint(tokens.shape[1])\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert 2000 < int(result.stdout) <= 2032  # the prompt and up to 32 generated tokens
