@@ -110,3 +110,37 @@ def test_the_llm_guide_example_runs():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert 2000 < int(result.stdout) <= 2032  # the prompt and up to 32 generated tokens
+
+
+def test_the_quick_start_runs_against_a_live_server(tmp_path):
+    """The quick start's Python and shell blocks, run as written except for the context's
+    length (131072 -> 8192 tokens, to keep the suite fast) and the server's address."""
+    from tests.service_support import Server
+
+    text = README.read_text()
+    section = re.search(r"## Quick start: a 128k-token context\n(.*?)\n## ", text, re.S).group(1)
+    python_block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shell_block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    server = Server().start()
+    try:
+        code = python_block.replace("131072", "8192").replace("http://127.0.0.1:8000", server.url)
+        found = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        )
+        assert found.stdout.strip() == "(8, 4, 64) (8, 4)"
+        script = shell_block.replace("131072", "8192").replace(".venv/bin/", f"{ROOT}/.venv/bin/")
+        shell = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+            cwd=tmp_path,
+            env={"REWA_URL": server.url, "PATH": "/usr/bin:/bin"},
+        )
+    finally:
+        server.kill()
+    lines = shell.stdout.splitlines()
+    assert "version 1, mode tail" in lines[0]
+    assert lines[2].split()[:2] == ["0", "0"]  # a row per head and query: the first 20
+    assert "... 12 more rows" in lines
