@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 LIBRARY = ROOT / "docs" / "library.md"
@@ -113,34 +115,45 @@ def test_the_llm_guide_example_runs():
 
 
 def test_the_quick_start_runs_against_a_live_server(tmp_path):
-    """The quick start's Python and shell blocks, run as written except for the context's
+    """The quick start's Python, `rewa` and curl blocks, run as written except for the context's
     length (131072 -> 8192 tokens, to keep the suite fast) and the server's address."""
     from tests.service_support import Server
 
     text = README.read_text()
     section = re.search(r"## Quick start: a 128k-token context\n(.*?)\n## ", text, re.S).group(1)
     python_block = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    shell_block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    cli_block, curl_block = re.findall(r"```bash\n(.*?)```", section, re.S)
     server = Server().start()
-    try:
-        code = python_block.replace("131072", "8192").replace("http://127.0.0.1:8000", server.url)
-        found = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
-        )
-        assert found.stdout.strip() == "(8, 4, 64) (8, 4)"
-        script = shell_block.replace("131072", "8192").replace(".venv/bin/", f"{ROOT}/.venv/bin/")
-        shell = subprocess.run(
+
+    def shell(script: str) -> list[str]:
+        script = script.replace("131072", "8192").replace(".venv/bin/", f"{ROOT}/.venv/bin/")
+        env = {"REWA_URL": server.url, "REWA": f"127.0.0.1:{server.port}", "PATH": "/usr/bin:/bin"}
+        done = subprocess.run(
             ["bash", "-euo", "pipefail", "-c", script],
             capture_output=True,
             text=True,
             timeout=300,
             check=True,
             cwd=tmp_path,
-            env={"REWA_URL": server.url, "PATH": "/usr/bin:/bin"},
+            env=env,
         )
+        return done.stdout.splitlines()
+
+    try:
+        code = python_block.replace("131072", "8192").replace("http://127.0.0.1:8000", server.url)
+        found = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+        )
+        assert found.stdout.strip() == "(8, 4, 64) (8, 4)"
+        table = shell(cli_block)
+        answer = shell(curl_block)
     finally:
         server.kill()
-    lines = shell.stdout.splitlines()
-    assert "version 1, mode tail" in lines[0]
-    assert lines[2].split()[:2] == ["0", "0"]  # a row per head and query: the first 20
-    assert "... 12 more rows" in lines
+    assert "version 1, mode tail" in table[0]
+    assert table[2].split()[:2] == ["0", "0"]  # a row per head and query: the first 20
+    assert "... 12 more rows" in table
+    assert answer[0] == "8192"  # tokens committed
+    lse = np.array(
+        [float(x) for x in " ".join(answer[1:]).replace("[", " ").replace("]", " ").split()]
+    )
+    assert lse.shape == (32,) and np.isfinite(lse).all()  # the (8, 4) lse, decoded
