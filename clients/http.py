@@ -117,15 +117,16 @@ def _encoded(array: np.ndarray, dtype: str) -> dict:
     return {"dtype": dtype, "shape": list(array.shape), "data": data}
 
 
-def as_result(array: np.ndarray, dtype: str, as_torch: bool) -> Any:
-    """A received array as the caller gets it: a torch tensor (bfloat16 kept) when its input
-    was one, else numpy (bfloat16 widened to float32)."""
+def as_result(array: np.ndarray, as_torch: bool, bfloat16_bits: bool = False) -> Any:
+    """A received array as the caller gets it: a torch tensor when its input was one, else
+    numpy. `bfloat16_bits`: the array holds bfloat16 as uint16 bits (base64 JSON), kept as
+    bfloat16 in torch and widened to float32 in numpy (which has no bfloat16)."""
     if as_torch:
         import torch
 
         tensor = torch.from_numpy(array)
-        return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
-    return from_bfloat16_bits(array) if dtype == "bfloat16" else array
+        return tensor.view(torch.bfloat16) if bfloat16_bits else tensor
+    return from_bfloat16_bits(array) if bfloat16_bits else array
 
 
 def decode_tensor(payload: dict | None, as_torch: bool) -> Any:
@@ -134,7 +135,8 @@ def decode_tensor(payload: dict | None, as_torch: bool) -> Any:
         return None
     raw = bytearray(base64.b64decode(payload["data"]))
     array = np.frombuffer(raw, dtype=_WIRE_DTYPES[payload["dtype"]])
-    return as_result(array.reshape(tuple(payload["shape"])), payload["dtype"], as_torch)
+    shaped = array.reshape(tuple(payload["shape"]))
+    return as_result(shaped, as_torch, bfloat16_bits=payload["dtype"] == "bfloat16")
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -303,7 +305,7 @@ class _Operations:
         if response.status_code == 204:
             return None
         state = safetensors_load(response.content)
-        return {name: as_result(array, "float32", as_torch) for name, array in state.items()}
+        return {name: as_result(array, as_torch) for name, array in state.items()}
 
     # -- uploads ----------------------------------------------------------------------------
 
@@ -426,7 +428,7 @@ class _Operations:
         response = yield _Request("POST", path, content=content, headers=headers)
         tensors = safetensors_load(response.content)
         as_torch = is_torch(queries)
-        found = {name: as_result(array, "", as_torch) for name, array in tensors.items()}
+        found = {name: as_result(array, as_torch) for name, array in tensors.items()}
         return AttendResult(
             out=found["out"],
             lse=found["lse"],

@@ -20,6 +20,8 @@ import torch
 from rewa.attention import merge_attention
 from rewa.clients import Client
 
+from .exact import exact_part
+
 
 class RemoteDocument:
     """A multi-layer context created at the first spill of the first layer, holding the memory
@@ -78,9 +80,8 @@ class RemoteDocument:
             found = self.client.attend(self.context_id, queries, layer=position, **self.options)
             parts.append((found.out.to(queries.device), found.lse.to(queries.device)))
         for keys, values in self.staged[layer]:
-            logits = (queries.float() @ keys.to(queries.device).transpose(-1, -2)) * self.shape[3]
-            out = torch.softmax(logits, dim=-1) @ values.to(queries.device)
-            parts.append((out, torch.logsumexp(logits, dim=-1)))
+            keys, values = keys.to(queries.device), values.to(queries.device)
+            parts.append(exact_part(queries, keys, values, self.shape[3]))
         return merge_attention(*parts)
 
     def close(self) -> None:

@@ -26,7 +26,6 @@ layer, and then joins that memory."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -44,6 +43,8 @@ from transformers.masking_utils import (
 from rewa.attention import merge_attention
 from rewa.clients import RemoteMemory
 from rewa.index import LocalMemory
+
+from .exact import exact_part
 
 ATTENTION_NAME = "rewa"
 DEFAULT_WINDOW = 512
@@ -141,9 +142,9 @@ class MemoryLayer(DynamicLayer):
         """Exact causal attention of grouped queries over the local keys before `end`."""
         key_positions = self.local_positions()
         visible = int((key_positions < end).sum())
-        future = key_positions[:visible].unsqueeze(0) > positions.unsqueeze(1)
+        seen = key_positions[:visible].unsqueeze(0) <= positions.unsqueeze(1)
         keys, values = self.keys[0, :, :visible], self.values[0, :, :visible]
-        return _attention(grouped, keys, values, scaling, hidden=future)
+        return exact_part(grouped, keys, values, scaling, seen)
 
     def _spill_before(self, position: int, scaling: float) -> None:
         """Move the recent tokens before `position - window` (none of the queries from
@@ -280,7 +281,7 @@ class EncoderMemory:
         group = query.shape[1] // kv_heads
         grouped = query[0].float().reshape(kv_heads, group * query.shape[2], head_dim)
         keys, values = key[0].float(), value[0].float()
-        parts = [_attention(grouped, keys, values, scaling)]
+        parts = [exact_part(grouped, keys, values, scaling)]
         memory = self.memories.get(layer_idx)
         if memory is not None:
             out, lse = memory.attend(grouped)
@@ -303,15 +304,6 @@ class EncoderMemory:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
-
-
-def _attention(grouped, keys, values, scaling: float, hidden=None):
-    """Exact `(out, lse)` of grouped queries `(kv_heads, g m, d)` over keys and values
-    `(kv_heads, n, .)`, in float32; `hidden` `(g m, n)` marks the keys a query must not see."""
-    logits = (grouped @ keys.float().transpose(-1, -2)) * scaling
-    if hidden is not None:
-        logits = logits.masked_fill(hidden, -math.inf)
-    return torch.softmax(logits, dim=-1) @ values.float(), torch.logsumexp(logits, dim=-1)
 
 
 def rewa_attention(
