@@ -2,11 +2,14 @@
 
 N = 131072 keys, 1024 queries, no gradient, one process. Data sets:
 
-- `text`: every head (12) of MiniLM layer 5 over the Python standard library's sources
-  (`benchmarks/text_data.py`; head dim 32; queries are 1024 random tokens of the same text);
+- `text`: every head (12) of every layer (0-5, `--layers`) of MiniLM over the Python standard
+  library's sources (`benchmarks/text_data.py`; head dim 32; queries are 1024 random tokens of
+  the same text). Early layers have sharp heads (an effective support of a few hundred keys),
+  late ones diffuse heads (tens of thousands);
 - `clustered` and `tree` of `benchmarks/data.py` (one head, d = 64).
 
-Geometries: `dot` (scale 1/sqrt(d)), `sphere` and `poincare`. Each data set keeps its own
+Geometries: `dot` (scale 1/sqrt(d)), `sphere` and `poincare`; on `text`, the two others at
+layer 5 only (the model's own is the dot product). Each data set keeps its own
 geometry's temperature where it has one (`clustered`: dot; `tree`: Poincare, temperature
 0.06); the other geometries use a softplus temperature of 0.1 and, for Poincare, queries and
 keys divided by the median key norm (raw MiniLM vectors have norms around 5-10, which
@@ -15,24 +18,23 @@ keys divided by the median key norm (raw MiniLM vectors have norms around 5-10, 
 Modes, all on the same queries against the same exact reference:
 
 - `dense`: exact dense attention (`dense_attention`; PyTorch's fused kernel for the dot
-  product on CPU);
-- `build`: building the clustered representation (`KeyClusters.build`, defaults: N / 512
-  clusters, covariance rank 4, full key-value cross-covariance, 0.1 % of the keys, the
-  farthest from their cluster's centre, read by every query), once per context;
+  product on CPU); its record carries the head's median effective support `support`
+  (exp of the entropy of a query's attention row);
+- `build`: building the clustered representation (`KeyClusters.build`, defaults), once per
+  context;
 - `topk`: exact-only sparse attention over the clusters each query visits (`tail=False`);
 - `tail`: the same keys read exactly plus the estimate of every other cluster.
 
-at budgets of 0.5, 1, 1.5 and 2 % of the keys. Each record: `{"dataset", "geometry", "mode", "head",
-"budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median", "seconds"}` (seconds:
-the fastest of five runs after a warm-up, dense and every sparse setting of a head taking
-turns within each round; `build` is timed once).
+at budgets of 0.5, 1 and 2 % of the keys. Each record: `{"dataset", "layer", "geometry",
+"mode", "head", "budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median",
+"seconds"}` (`layer` is null outside `text`; seconds: the fastest of five runs after a
+warm-up, dense and every sparse setting of a head taking turns within each round; `build` is
+timed once).
 
     .venv/bin/python benchmarks/tail.py
     .venv/bin/python benchmarks/tail.py --datasets clustered --n 8192 --out /tmp/tail
-    .venv/bin/python benchmarks/tail.py --datasets tree --keys-per-cluster 256 --rank 8 \
-        --out /tmp/tail-256
-    .venv/bin/python benchmarks/tail.py --datasets text --geometries dot --outliers 0 \
-        --out /tmp/tail-no-outliers
+    .venv/bin/python benchmarks/tail.py --datasets text --layers 0 1 --geometries dot \
+        --max-cluster-keys 512 --out /tmp/tail-512
 """
 
 from __future__ import annotations
@@ -50,12 +52,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.data import DATASETS
 from benchmarks.measure import best_times
-from benchmarks.text_data import DEFAULT_LAYER, text_projections
+from benchmarks.text_data import DEFAULT_LAYER, text_layers
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, quality, tail_attention
+from rewa.index.measures import dense_entropy
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BUDGETS = [0.005, 0.01, 0.015, 0.02]
+BUDGETS = [0.005, 0.01, 0.02]
+LAYERS = [0, 1, 2, 3, 4, 5]
 GEOMETRIES = ["dot", "sphere", "poincare"]
 N_QUERIES = 1024
 OTHER_TEMPERATURE = 0.1
@@ -64,18 +68,19 @@ OTHER_TEMPERATURE = 0.1
 ROUNDS = 5
 
 
-def heads(dataset: str, n: int):
-    """`(head, q (1024, d), k (n, d), v (n, dv), native geometry spec or None)` per head."""
+def heads(dataset: str, n: int, layers: list[int]):
+    """`(layer, head, q (1024, d), k (n, d), v (n, dv), native geometry spec or None)` per
+    head (`layer` None outside `text`)."""
     generator = torch.Generator().manual_seed(0)
     if dataset == "text":
-        q, k, v = text_projections(n, layer=DEFAULT_LAYER)
         rows = torch.randperm(n, generator=generator)[:N_QUERIES]
-        for head in range(q.shape[0]):
-            yield head, q[head, rows], k[head], v[head], None
+        for layer, (q, k, v) in text_layers(n, layers).items():
+            for head in range(q.shape[0]):
+                yield layer, head, q[head, rows], k[head], v[head], None
         return
     data = DATASETS[dataset](n)
     spec = dict(data.geometry_spec)
-    yield 0, data.q[:N_QUERIES], data.k, data.v, spec
+    yield None, 0, data.q[:N_QUERIES], data.k, data.v, spec
 
 
 def geometry_for(name: str, native: dict | None, dim: int):
@@ -87,22 +92,23 @@ def geometry_for(name: str, native: dict | None, dim: int):
     return make_geometry(name, dim, temperature="softplus", tau_init=OTHER_TEMPERATURE)
 
 
-def run(datasets: list[str], n: int, geometries: list[str], cluster_options: dict) -> list[dict]:
+def run(
+    datasets: list[str], n: int, geometries: list[str], layers: list[int], cluster_options: dict
+) -> list[dict]:
     records = []
     for dataset in datasets:
-        for head, q, k, v, native in heads(dataset, n):
+        for layer, head, q, k, v, native in heads(dataset, n, layers):
             for name in geometries:
+                if layer is not None and layer != DEFAULT_LAYER and name != "dot":
+                    continue
+                base = {"dataset": dataset, "layer": layer, "geometry": name, "head": head}
                 with torch.no_grad():
-                    records.extend(
-                        measure_head(dataset, head, name, q, k, v, native, n, cluster_options)
-                    )
+                    records.extend(measure_head(base, q, k, v, native, n, cluster_options))
     return records
 
 
 def measure_head(
-    dataset: str,
-    head: int,
-    name: str,
+    base: dict,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -111,16 +117,17 @@ def measure_head(
     cluster_options: dict,
 ) -> list[dict]:
     """Records of one head and geometry: dense, build, and topk / tail at every budget."""
+    name = base["geometry"]
     g = geometry_for(name, native, q.shape[-1])
     if name == "poincare" and not (native and native["name"] == "poincare"):
         scale = k.norm(dim=-1).median()
         q, k = q / scale, k / scale
-    base = {"dataset": dataset, "geometry": name, "head": head}
     reference = dense_attention(q, k, v, g)
+    support = dense_entropy(q, k, g).exp().median().item()
     start = time.perf_counter()
     clusters = KeyClusters.build(g.witness(k), v, g, **cluster_options)
     build = {**base, "mode": "build", "seconds": time.perf_counter() - start}
-    dense = {**base, "mode": "dense", "budget": 1.0, "keys_read_frac": 1.0}
+    dense = {**base, "mode": "dense", "budget": 1.0, "keys_read_frac": 1.0, "support": support}
     dense |= {"err_median": 0.0, "err_p99": 0.0, "lse_abs_err_median": 0.0}
     sparse, runs = [], {"dense": lambda: dense_attention(q, k, v, g)}
     for budget in BUDGETS:
@@ -146,41 +153,75 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    datasets = sorted({r["dataset"] for r in records})
-    figure, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets) + 1.5, 4),
-                                squeeze=False, layout="constrained")  # fmt: skip
-    for axis, dataset in zip(axes[0], datasets, strict=True):
-        for geometry in GEOMETRIES:
-            for mode, style in (("tail", "-"), ("topk", "--")):
-                rows = [
-                    r
-                    for r in records
-                    if r["dataset"] == dataset and r["geometry"] == geometry and r["mode"] == mode
-                ]
-                if not rows:
-                    continue
-                budgets = sorted({r["budget"] for r in rows})
-                # Worst head at each budget (one head outside `text`).
-                points = [
-                    max((r for r in rows if r["budget"] == b), key=lambda r: r["err_median"])
-                    for b in budgets
-                ]
-                axis.plot(
-                    [100 * p["keys_read_frac"] for p in points],
-                    [p["err_median"] for p in points],
-                    style,
-                    marker="o",
-                    label=f"{geometry} {mode}",
-                )
-        axis.set_yscale("log")
-        axis.set_xlabel("keys read (%)")
-        axis.set_ylabel("median relative output error (worst head)")
-        axis.set_title(dataset)
-        axis.axhline(0.05, color="grey", linewidth=0.8, label="target median 0.05")
-    # One legend outside the panels (inside, it hid curves); colours are the same in each.
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside right upper", fontsize=7)
+    text = [r for r in records if r["dataset"] == "text" and r["geometry"] == "dot"]
+    others = sorted({r["dataset"] for r in records if r["dataset"] != "text"})
+    n_panels = (3 if text else 0) + len(others)
+    figure, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels + 1.5, 4.2), squeeze=False,
+                                layout="constrained")  # fmt: skip
+    panels = iter(axes[0])
+    if text:
+        _plot_text(text, next(panels), next(panels), next(panels))
+    for dataset in others:
+        _plot_dataset([r for r in records if r["dataset"] == dataset], dataset, next(panels))
     figure.savefig(path, dpi=120)
+
+
+def _plot_text(records: list[dict], errors, against_topk, speed) -> None:
+    """Three panels of MiniLM, dot product: each layer's worst p99 against the keys read, tail
+    against topk per head at 1 %, and tail's speed-up over dense per head at 1 %."""
+    layers = sorted({r["layer"] for r in records})
+    colours = {layer: f"C{i}" for i, layer in enumerate(layers)}
+    for layer in layers:
+        rows = [r for r in records if r["layer"] == layer and r["mode"] == "tail"]
+        budgets = sorted({r["budget"] for r in rows})
+        worst = [
+            max((r for r in rows if r["budget"] == b), key=lambda r: r["err_p99"]) for b in budgets
+        ]
+        errors.plot([100 * b for b in budgets], [r["err_p99"] for r in worst], marker="o",
+                    color=colours[layer], label=f"layer {layer}")  # fmt: skip
+    errors.axhline(0.15, color="grey", linestyle=":", label="target p99 0.15")
+    errors.set(yscale="log", xlabel="budget (% of keys)", ylabel="p99 relative error, worst head",
+               title="MiniLM, tail: worst head per layer")  # fmt: skip
+    errors.legend(fontsize=7)
+    at = {(r["layer"], r["head"], r["mode"]): r for r in records if r.get("budget") == 0.01}
+    for layer in layers:
+        heads = sorted(h for (lay, h, m) in at if lay == layer and m == "tail")
+        against_topk.scatter([at[layer, h, "topk"]["err_p99"] for h in heads],
+                             [at[layer, h, "tail"]["err_p99"] for h in heads],
+                             color=colours[layer], s=14, label=f"layer {layer}")  # fmt: skip
+    low, high = 0.005, 10
+    against_topk.plot([low, high], [low, high], color="grey", linestyle=":", label="tail = topk")
+    against_topk.set(xscale="log", yscale="log", xlabel="topk p99 (same keys read)",
+                     ylabel="tail p99", title="Per head at 1 %: tail against topk")  # fmt: skip
+    against_topk.legend(fontsize=7)
+    dense = {(r["layer"], r["head"]): r["seconds"] for r in records if r["mode"] == "dense"}
+    for layer in layers:
+        heads = sorted(h for (lay, h, m) in at if lay == layer and m == "tail")
+        speed.scatter([layer + (h - 5.5) / 30 for h in heads],
+                      [dense[layer, h] / at[layer, h, "tail"]["seconds"] for h in heads],
+                      color=colours[layer], s=14)  # fmt: skip
+    speed.axhline(10, color="grey", linestyle=":", label="target 10x")
+    speed.set(xlabel="layer (heads side by side)", ylabel="dense time / tail time",
+              title="Per head at 1 %: speed-up over dense", ylim=(0, None))  # fmt: skip
+    speed.legend(fontsize=7)
+
+
+def _plot_dataset(records: list[dict], dataset: str, axis) -> None:
+    """Median error of tail and topk against the keys read, per geometry (one head)."""
+    for i, geometry in enumerate(GEOMETRIES):
+        for mode, style in (("tail", "-"), ("topk", "--")):
+            rows = sorted(
+                (r for r in records if r["geometry"] == geometry and r["mode"] == mode),
+                key=lambda r: r["budget"],
+            )
+            if rows:
+                axis.plot([100 * r["keys_read_frac"] for r in rows],
+                          [max(r["err_median"], 1e-6) for r in rows], style, marker="o",
+                          color=f"C{i}", label=f"{geometry} {mode}")  # fmt: skip
+    axis.axhline(0.05, color="grey", linestyle=":", label="target median 0.05")
+    axis.set(yscale="log", xlabel="keys read (%)", ylabel="median relative error",
+             title=dataset)  # fmt: skip
+    axis.legend(fontsize=7)
 
 
 def main() -> None:
@@ -189,7 +230,10 @@ def main() -> None:
     parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
     parser.add_argument("--n", type=int, default=131072)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--keys-per-cluster", type=int, help="default: KeyClusters.build's (512)")
+    parser.add_argument("--layers", type=int, nargs="+", default=LAYERS, help="of text")
+    parser.add_argument(
+        "--max-cluster-keys", type=int, help="default: KeyClusters.build's (from N and d)"
+    )
     parser.add_argument("--rank", type=int, help="default: KeyClusters.build's (4)")
     parser.add_argument(
         "--outliers", type=float, help="keys read by every query; default: KeyClusters.build's"
@@ -201,13 +245,13 @@ def main() -> None:
         return
     torch.manual_seed(0)
     cluster_options = {}
-    if args.keys_per_cluster:
-        cluster_options["n_clusters"] = -(-args.n // args.keys_per_cluster)
+    if args.max_cluster_keys:
+        cluster_options["max_cluster_keys"] = args.max_cluster_keys
     if args.rank is not None:
         cluster_options["rank"] = args.rank
     if args.outliers is not None:
         cluster_options["outliers"] = args.outliers
-    records = run(args.datasets, args.n, args.geometries, cluster_options)
+    records = run(args.datasets, args.n, args.geometries, args.layers, cluster_options)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "tail.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "tail.png")

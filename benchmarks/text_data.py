@@ -71,23 +71,26 @@ def source_tokens(tokenizer, n_tokens: int) -> tuple[torch.Tensor, list[tuple[st
 
 
 def layer_projections(
-    model, ids: torch.Tensor, layer: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-head `(heads, n, head_dim)` queries, keys and values of `layer` for token ids `(n,)`,
-    run in windows of `WINDOW` tokens."""
+    model, ids: torch.Tensor, layers: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer, per-head `(heads, n, head_dim)` queries, keys and values for token ids `(n,)`,
+    run in windows of `WINDOW` tokens: one pass of the model records every layer asked for."""
     bert = model[0].auto_model
     config = bert.config
     heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
-    attention = bert.encoder.layer[layer].attention.self
     tokenizer = model.tokenizer
-    recorded: dict[str, torch.Tensor] = {}
+    names = ("query", "key", "value")
+    recorded: dict[tuple[int, str], torch.Tensor] = {}
     hooks = [
-        getattr(attention, name).register_forward_hook(
-            lambda _module, _inputs, output, name=name: recorded.__setitem__(name, output)
+        getattr(bert.encoder.layer[layer].attention.self, name).register_forward_hook(
+            lambda _module, _inputs, output, key=(layer, name): recorded.__setitem__(key, output)
         )
-        for name in ("query", "key", "value")
+        for layer in layers
+        for name in names
     ]
-    outputs: dict[str, list[torch.Tensor]] = {"query": [], "key": [], "value": []}
+    outputs: dict[tuple[int, str], list[torch.Tensor]] = {
+        (layer, name): [] for layer in layers for name in names
+    }
     windows = list(ids.split(WINDOW))
     try:
         with torch.no_grad():
@@ -106,18 +109,23 @@ def layer_projections(
                     )
                     mask[row, : len(window) + 2] = 1
                 bert(input_ids=input_ids, attention_mask=mask)
-                for name in outputs:
-                    projected = recorded[name]
+                for key, parts in outputs.items():
+                    projected = recorded[key]
                     for row, window in enumerate(batch):
-                        outputs[name].append(projected[row, 1 : len(window) + 1])
+                        parts.append(projected[row, 1 : len(window) + 1])
     finally:
         for hook in hooks:
             hook.remove()
-    q, k, v = (
-        torch.cat(outputs[name]).unflatten(-1, (heads, head_dim)).transpose(0, 1).contiguous()
-        for name in ("query", "key", "value")
-    )
-    return q, k, v
+    return {
+        layer: tuple(
+            torch.cat(outputs[layer, name])
+            .unflatten(-1, (heads, head_dim))
+            .transpose(0, 1)
+            .contiguous()
+            for name in names
+        )
+        for layer in layers
+    }
 
 
 def text_projections(
@@ -125,16 +133,28 @@ def text_projections(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(q, k, v)`, each `(heads, n_tokens, head_dim)`, of `layer` over the standard library's
     first `n_tokens` tokens; cached on disk."""
-    path = CACHE_DIR / f"text-layer{layer}-{n_tokens}.pt"
-    if cache and path.exists():
-        saved = torch.load(path, weights_only=True)
-        return saved["q"], saved["k"], saved["v"]
-    model = load_model()
-    ids, _ = source_tokens(model.tokenizer, n_tokens)
-    q, k, v = layer_projections(model, ids, layer)
-    if cache:
-        CACHE_DIR.mkdir(exist_ok=True)
-        partial = path.with_suffix(".partial")
-        torch.save({"q": q, "k": k, "v": v}, partial)
-        partial.replace(path)
-    return q, k, v
+    return text_layers(n_tokens, [layer], cache)[layer]
+
+
+def text_layers(
+    n_tokens: int, layers: list[int], cache: bool = True
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`text_projections` of several layers, the ones not cached extracted in one pass."""
+    paths = {layer: CACHE_DIR / f"text-layer{layer}-{n_tokens}.pt" for layer in layers}
+    found = {}
+    for layer, path in paths.items():
+        if cache and path.exists():
+            saved = torch.load(path, weights_only=True)
+            found[layer] = saved["q"], saved["k"], saved["v"]
+    missing = [layer for layer in layers if layer not in found]
+    if missing:
+        model = load_model()
+        ids, _ = source_tokens(model.tokenizer, n_tokens)
+        for layer, (q, k, v) in layer_projections(model, ids, missing).items():
+            found[layer] = q, k, v
+            if cache:
+                CACHE_DIR.mkdir(exist_ok=True)
+                partial = paths[layer].with_suffix(".partial")
+                torch.save({"q": q, "k": k, "v": v}, partial)
+                partial.replace(paths[layer])
+    return {layer: found[layer] for layer in layers}

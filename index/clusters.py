@@ -39,9 +39,19 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
 
 - the k-means `centroids` (in the concatenated lift space) that the keys were assigned to.
 
+Pieces. A centre's keys form its group; a group larger than `max_keys` is cut into pieces of at
+most that many keys, and the pieces are the clusters above (`group` names each one's centre).
+A cut halves a set of keys across the principal axis of their features (the set's largest
+spread), sized so that ceil(m / max_keys) pieces come out after cutting each half again, so a
+piece is a compact slab of its group. Two reasons (docs/mathematics.md 6, "Pieces"): a query's
+most massive cluster must fit in a small budget (k-means groups range over 0.5-3x their mean
+size, and the mean doubles between retrainings), and the moments of a smaller, tighter cluster
+estimate it better. `default_cluster_keys` sizes them.
+
 k-means trains on the first `growth.trained_prefix(n)` keys and every key is assigned to the
-nearest centroid, so `extend` (appended keys: assigned, and only the clusters they join
-recomputed) gives the representation `build` gives over the same keys (docs/indexes.md).
+nearest centroid, and a group's pieces depend on its members alone, so `extend` (appended keys:
+assigned, and only the groups they join cut and recomputed) gives the representation `build`
+gives over the same keys (docs/indexes.md).
 
 `to_bytes` / `from_bytes` serialise everything but the geometry (numpy `.npz`, no pickle).
 """
@@ -63,6 +73,9 @@ from .growth import retrains, trained_prefix
 DEFAULT_RANK = 4
 DEFAULT_KEYS_PER_CLUSTER = 512
 DEFAULT_OUTLIERS = 0.001
+DEFAULT_MAX_CLUSTER_KEYS = 256
+MIN_CLUSTER_KEYS = 32
+SUMMARY_RATIO = 8  # a cluster's keys and values take at least 8x its cross-covariance
 
 
 @dataclass
@@ -120,10 +133,12 @@ class KeyClusters:
     exact_read: torch.Tensor  # (nc,) bool: read exactly by every query (budget allowing)
     centroids: torch.Tensor  # (n_centroids, P) k-means centres in the concatenated lift space
     outlier_distance: torch.Tensor  # () keys this far from their centre join the outlier cluster
+    group: torch.Tensor  # (nc,) the centre whose keys each cluster is a piece of (outliers: last)
+    max_keys: torch.Tensor  # () the most keys a group keeps whole; 0: groups are never cut
 
     # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read,
-    # 3 no centroids.
-    FORMAT = 4
+    # 3 no centroids, 4 no groups.
+    FORMAT = 5
 
     @property
     def n_keys(self) -> int:
@@ -153,6 +168,7 @@ class KeyClusters:
         geometry: Geometry,
         *,
         n_clusters: int | None = None,
+        max_cluster_keys: int | None = None,
         rank: int = DEFAULT_RANK,
         outliers: float = DEFAULT_OUTLIERS,
         iterations: int = 10,
@@ -160,10 +176,13 @@ class KeyClusters:
         device: str | None = None,
     ) -> KeyClusters:
         """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
-        statistics. `n_clusters` defaults to ceil(n / 512); `rank` is the covariance basis size
-        (capped at the feature dimension, which keeps the full covariance); the fraction
-        `outliers` of the keys, those farthest from their cluster's centre, form one more
-        cluster, which every query reads (module docstring)."""
+        statistics. `n_clusters` (k-means centres) defaults to ceil(n_t / 512) for the n_t
+        trained keys; a centre's keys (its group) larger than `max_cluster_keys` are cut into
+        pieces of at most that many (module docstring, "Pieces"): by default
+        `default_cluster_keys(n_t)` when `n_clusters` is not given, never cut when it is.
+        `rank` is the covariance basis size (capped at the feature dimension, which keeps the
+        full covariance); the fraction `outliers` of the keys, those farthest from their
+        cluster's centre, form one more cluster, which every query reads (module docstring)."""
         if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
             raise ValueError(
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "
@@ -179,6 +198,11 @@ class KeyClusters:
         if n == 0:
             raise ValueError("cannot cluster an empty set of keys")
         prefix = trained_prefix(n)
+        if max_cluster_keys is not None and max_cluster_keys < 0:
+            raise ValueError(
+                f"expected max_cluster_keys >= 1 (or 0: never cut), got {max_cluster_keys}"
+            )
+        given_clusters = bool(n_clusters)
         n_clusters = n_clusters or default_clusters(prefix)
         if not 1 <= n_clusters <= prefix:
             raise ValueError(
@@ -191,27 +215,39 @@ class KeyClusters:
         # float64 stays float64 (the exactness tests); half precisions compute in float32.
         dtype = torch.float64 if keys_w.dtype == torch.float64 else torch.float32
         keys_w, values = keys_w.to(dtype), values.to(dtype)
-        points = _points(geometry.lift(keys_w, "key"))
+        lifts = geometry.lift(keys_w, "key")
+        features = key_features(lifts)
+        if max_cluster_keys is None:
+            max_cluster_keys = (
+                0
+                if given_clusters
+                else default_cluster_keys(prefix, features.shape[-1], values.shape[-1])
+            )
+        points = _points(lifts)
         centroids = kmeans(points[:prefix], n_clusters, iterations, seed, device)
         centroids = _refined(points[:prefix], centroids.to(keys_w.device, dtype))
         labels, distance = _nearest(points, centroids)
         n_outliers = int(outliers * prefix)
         outlier_distance = torch.tensor(math.inf, dtype=dtype, device=keys_w.device)
-        exact_read = torch.zeros(n_clusters, dtype=torch.bool, device=keys_w.device)
+        n_groups = n_clusters
         if n_outliers > 0:
             outlier_distance = distance[:prefix].topk(n_outliers).values[-1]
             labels = labels.masked_fill(distance >= outlier_distance, n_clusters)
-            exact_read = torch.cat([exact_read, exact_read.new_ones(1)])
-        order = labels.argsort(stable=True)
-        counts = torch.bincount(labels, minlength=len(exact_read))
+            n_groups += 1
+        grouped = labels.argsort(stable=True)
+        sizes = torch.bincount(labels, minlength=n_groups).tolist()
+        pieces, group = [], []
+        for label, members in enumerate(grouped.split(sizes)):
+            cut = _cut(members, features[members], max_cluster_keys, label == n_clusters)
+            pieces += cut
+            group += [label] * len(cut)
+        order = torch.cat(pieces)
+        counts = torch.tensor([len(piece) for piece in pieces], device=keys_w.device)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        group = torch.tensor(group, device=keys_w.device)
         sorted_keys, sorted_values = keys_w[order], values[order]
         stats = _cluster_statistics(
-            key_features(geometry.lift(sorted_keys, "key")),
-            sorted_values,
-            offsets,
-            geometry.lift(sorted_keys[:1], "key"),
-            rank,
+            features[order], sorted_values, offsets, geometry.lift(sorted_keys[:1], "key"), rank
         )
         return cls(
             geometry=geometry,
@@ -220,9 +256,11 @@ class KeyClusters:
             keys_w=sorted_keys,
             values=sorted_values,
             counts=counts.to(dtype),
-            exact_read=exact_read,
+            exact_read=group == n_clusters,
             centroids=centroids,
             outlier_distance=outlier_distance,
+            group=group,
+            max_keys=torch.tensor(max_cluster_keys),
             **stats,
         )
 
@@ -247,63 +285,85 @@ class KeyClusters:
                 **{"rank": self.rank, **build_options},
             )
         labels = self._assign(keys_w)
-        order, offsets, sorted_keys, sorted_values = self._inserted(labels, keys_w, values)
-        touched = labels.unique()
-        stats = self._statistics_of(touched, offsets, sorted_keys, sorted_values)
-        for name, part in stats.items():
-            whole = getattr(self, name).clone()
-            whole[touched] = part
-            stats[name] = whole
+        n_centroids = self.centroids.shape[0]
+        # Pieces [first_piece[g], first_piece[g + 1]) are group g's; every group has at least one.
+        first_piece = torch.searchsorted(
+            self.group, torch.arange(int(self.group[-1]) + 2, device=self.group.device)
+        ).tolist()
+        bounds = self.offsets.tolist()
+        kept = []  # (first key, end key, first piece, end piece) runs of untouched groups
+        redone = []  # (ids, keys, values, pieces) of every group that gains keys
+        previous = 0
+        new_ids = torch.arange(n_old, n_old + m, device=self.order.device)
+        for label in labels.unique().tolist():
+            begin, end = first_piece[label], first_piece[label + 1]
+            kept.append((bounds[previous], bounds[begin], previous, begin))
+            previous = end
+            joining = labels == label
+            ids = torch.cat([self.order[bounds[begin] : bounds[end]], new_ids[joining]])
+            ids, position = ids.sort()
+            group_keys = torch.cat([self.keys_w[bounds[begin] : bounds[end]], keys_w[joining]])
+            group_values = torch.cat([self.values[bounds[begin] : bounds[end]], values[joining]])
+            group_keys, group_values = group_keys[position], group_values[position]
+            features = key_features(self.geometry.lift(group_keys, "key"))
+            local = torch.arange(len(ids), device=ids.device)
+            pieces = _cut(local, features, int(self.max_keys), label == n_centroids)
+            redone.append((label, ids, group_keys, group_values, features, pieces))
+        kept.append((bounds[previous], bounds[-1], previous, len(bounds) - 1))
+        return self._spliced(kept, redone)
+
+    def _spliced(self, kept: list, redone: list) -> KeyClusters:
+        """This representation with the groups in `redone` replaced, in group order, and the
+        runs `kept` of the others as they are (`extend`)."""
+        new_pieces = [len(pieces) for *_, pieces in redone]
+        sizes = [len(piece) for *_, pieces in redone for piece in pieces]
+        local = [torch.cat(pieces) for *_, pieces in redone]
+        stats = _cluster_statistics(
+            torch.cat([f[order] for (*_, f, _), order in zip(redone, local, strict=True)]),
+            torch.cat([v[order] for (*_, v, _, _), order in zip(redone, local, strict=True)]),
+            torch.tensor([0, *sizes], device=self.offsets.device).cumsum(0),
+            self.geometry.lift(self.keys_w[:1], "key"),
+            self.rank,
+        )
+        per_key = {"order": 1, "keys_w": 2, "values": 3}
+        arrays: dict[str, list[torch.Tensor]] = {name: [] for name in (*per_key, "counts", "group")}
+        rows: dict[str, list[torch.Tensor]] = {name: [] for name in stats}
+        done = 0
+        for index, (key_begin, key_end, piece_begin, piece_end) in enumerate(kept):
+            for name in per_key:
+                arrays[name].append(getattr(self, name)[key_begin:key_end])
+            for name in ("counts", "group"):
+                arrays[name].append(getattr(self, name)[piece_begin:piece_end])
+            for name in stats:
+                rows[name].append(getattr(self, name)[piece_begin:piece_end])
+            if index == len(redone):
+                break
+            label, *group_arrays, _, pieces = redone[index]
+            for name, column in per_key.items():
+                arrays[name].append(group_arrays[column - 1][local[index]])
+            arrays["counts"].append(self.counts.new_tensor([len(piece) for piece in pieces]))
+            arrays["group"].append(self.group.new_full((len(pieces),), label))
+            for name, value in stats.items():
+                rows[name].append(value[done : done + new_pieces[index]])
+            done += new_pieces[index]
+        whole = {name: torch.cat(parts) for name, parts in {**arrays, **rows}.items()}
+        counts = whole.pop("counts")
         return type(self)(
             geometry=self.geometry,
-            order=order,
-            offsets=offsets,
-            keys_w=sorted_keys,
-            values=sorted_values,
-            counts=offsets.diff().to(self.counts.dtype),
-            exact_read=self.exact_read,
+            offsets=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long(),
+            counts=counts,
+            exact_read=whole["group"] == self.centroids.shape[0],
             centroids=self.centroids,
             outlier_distance=self.outlier_distance,
-            **stats,
+            max_keys=self.max_keys,
+            **whole,
         )
 
     def _assign(self, keys_w: torch.Tensor) -> torch.Tensor:
-        """The cluster of each new key: its nearest centroid, or the outlier cluster (the last)
-        when it lies at least `outlier_distance` from it."""
+        """The group of each new key: its nearest centroid, or the outlier group (numbered after
+        the centroids) when it lies at least `outlier_distance` from it."""
         labels, distance = _nearest(_points(self.geometry.lift(keys_w, "key")), self.centroids)
-        if self.n_clusters > self.centroids.shape[0]:
-            labels = labels.masked_fill(distance >= self.outlier_distance, self.n_clusters - 1)
-        return labels
-
-    def _inserted(self, labels: torch.Tensor, keys_w: torch.Tensor, values: torch.Tensor):
-        """`(order, offsets, keys_w, values)` sorted by cluster with the new keys at the end of
-        their clusters (position order within a cluster, as `build` sorts): the old arrays cut
-        after each cluster that gains keys, those keys in between (slices copied, no gather over
-        all keys)."""
-        touched, gained = labels.unique(return_counts=True)
-        cuts = self.offsets[touched + 1].tolist()
-        joining = labels.argsort(stable=True).split(gained.tolist())
-        new_ids = torch.arange(self.n_keys, self.n_keys + len(labels), device=self.order.device)
-        order = _spliced(self.order, new_ids, cuts, joining)
-        sorted_keys = _spliced(self.keys_w, keys_w, cuts, joining)
-        sorted_values = _spliced(self.values, values, cuts, joining)
-        counts = self.offsets.diff().index_add(0, touched, gained)
-        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        return order, offsets, sorted_keys, sorted_values
-
-    def _statistics_of(self, clusters, offsets, sorted_keys, sorted_values) -> dict:
-        """`_cluster_statistics` of some clusters only (their rows, in order)."""
-        members = torch.cat(
-            [torch.arange(offsets[c], offsets[c + 1], device=offsets.device) for c in clusters]
-        )
-        counts = offsets.diff()[clusters]
-        return _cluster_statistics(
-            key_features(self.geometry.lift(sorted_keys[members], "key")),
-            sorted_values[members],
-            torch.cat([counts.new_zeros(1), counts.cumsum(0)]),
-            self.geometry.lift(sorted_keys[:1], "key"),
-            self.rank,
-        )
+        return labels.masked_fill(distance >= self.outlier_distance, self.centroids.shape[0])
 
     def to_bytes(self) -> bytes:
         """The representation (without the geometry) as an `.npz` archive."""
@@ -350,17 +410,6 @@ def kmeans(
     )
     clustering.train(x)
     return torch.from_numpy(clustering.centroids.copy())
-
-
-def _spliced(
-    old: torch.Tensor, new: torch.Tensor, cuts: list[int], joining: list[torch.Tensor]
-) -> torch.Tensor:
-    """`old` cut at each of `cuts`, with the rows `new[joining[i]]` put in after cut i."""
-    parts, previous = [], 0
-    for cut, rows in zip(cuts, joining, strict=True):
-        parts += [old[previous:cut], new[rows]]
-        previous = cut
-    return torch.cat([*parts, old[previous:]])
 
 
 def _points(lifts: list[Lift]) -> torch.Tensor:
@@ -440,6 +489,48 @@ def _lift_blocks(lifts: list[Lift]) -> list[slice]:
         slices.append(slice(start, start + width))
         start += width
     return slices
+
+
+def _cut(
+    members: torch.Tensor, features: torch.Tensor, max_keys: int, whole: bool
+) -> list[torch.Tensor]:
+    """A group's `members` (key ids, ascending) in pieces of at most `max_keys` (all of them in
+    one piece if `whole` or `max_keys` is 0): cut in two across the principal axis of their
+    `features` `(m, D)`, into parts sized for ceil(m / max_keys) pieces between them, and each
+    part cut again the same way. Each piece keeps its ids ascending."""
+    n_pieces = 1 if whole or max_keys == 0 else -(-len(members) // max_keys)
+    if n_pieces <= 1:
+        return [members]
+    centred = features.double()
+    centred = centred - centred.mean(0)
+    along = (centred @ _principal_axis(centred)).argsort(stable=True)
+    first = len(members) * (n_pieces // 2) // n_pieces
+    parts = along[:first].sort().values, along[first:].sort().values
+    return [
+        piece for part in parts for piece in _cut(members[part], features[part], max_keys, False)
+    ]
+
+
+def _principal_axis(centred: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """The direction of largest variance of centred rows `(m, D)`, by power iteration started
+    at the row farthest from the mean (a unit vector; zero if every row is 0)."""
+    axis = centred[centred.square().sum(-1).argmax()]
+    for _ in range(steps):
+        axis = centred.T @ (centred @ axis)
+        axis = axis / axis.norm().clamp_min(torch.finfo(axis.dtype).tiny)
+    return axis
+
+
+def default_cluster_keys(n_keys: int, feature_dim: int, value_dim: int) -> int:
+    """The default `max_cluster_keys` for `n_keys` trained keys with features `(., feature_dim)`
+    and values `(., value_dim)` (module docstring, "Pieces"): `n_keys / 512` within [32, 256],
+    raised to the size whose key-value cross-covariance (`feature_dim x value_dim`, read for
+    every query) is no more than 1/8 of the keys and values it summarises."""
+    by_count = min(
+        DEFAULT_MAX_CLUSTER_KEYS, max(MIN_CLUSTER_KEYS, n_keys // DEFAULT_KEYS_PER_CLUSTER)
+    )
+    by_summary = -(-SUMMARY_RATIO * feature_dim * value_dim // (feature_dim + value_dim))
+    return max(by_count, by_summary)
 
 
 def default_clusters(n_keys: int) -> int:

@@ -99,10 +99,13 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
 def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     records = run_benchmark("tail", tmp_path, "--datasets", "clustered", "tree", "--n", "4096")
     measured = {"keys_read_frac", "err_median", "err_p99", "lse_abs_err_median"}
-    common = {"dataset", "geometry", "mode", "head", "seconds"}
+    common = {"dataset", "layer", "geometry", "mode", "head", "seconds"}
     for record in records:
         expected = common if record["mode"] == "build" else common | measured | {"budget"}
+        if record["mode"] == "dense":
+            expected |= {"support"}
         assert set(record) == expected
+        assert record["layer"] is None  # not a text data set
     modes = {(r["dataset"], r["geometry"], r["mode"]) for r in records}
     assert modes == {
         (d, g, m)
