@@ -7,7 +7,13 @@ It computes what the service's engine computes for a context of the same geometr
 same `retrieval_attention` calls, the same defaults), without the store, the HTTP request or the
 device queue: keys and values live in buffers with spare capacity, and the index of the mode
 (clusters for `tail`, the search index for `topk`) is built at the first attend and extended by
-later appends (`KeyClusters.extend`, `LiftIndex.extend`; docs/indexes.md, "Appends")."""
+later appends (`KeyClusters.extend`, `LiftIndex.extend`; docs/indexes.md, "Appends").
+
+With `max_unindexed = u > 0`, up to u tokens appended after the index was last built or
+extended stay outside it and every query reads them exactly (merged with the index's answer,
+docs/mathematics.md 7); the index is extended once more arrive. Extending costs time per
+cluster the new keys join, not per key (docs/indexes.md), so a decoding model that spills a
+few hundred tokens at a time pays it once per u tokens instead of once per spill."""
 
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ from typing import Literal
 
 import torch
 
-from rewa.attention import Geometry, dense_attention, make_geometry
+from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
 from .clusters import KeyClusters
 from .growth import appended
@@ -32,7 +38,8 @@ class LocalMemory:
     `geometry` is a geometry name with `geometry_options`, or a `Geometry` (a trained one, used
     as it is). `mode`: `tail` (clusters read within `budget`, a fraction of the keys, and every
     other cluster estimated), `topk` (the `k` best keys of an `index` of that kind) or `exact`
-    (dense attention). The memory holds float32 tensors on `device`."""
+    (dense attention). `max_unindexed`: the most recent tokens read exactly instead of through
+    the index (module docstring). The memory holds float32 tensors on `device`."""
 
     def __init__(
         self,
@@ -45,6 +52,7 @@ class LocalMemory:
         budget: float = 0.02,
         k: int = 64,
         index: str = "ivf",
+        max_unindexed: int = 0,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:
@@ -56,6 +64,8 @@ class LocalMemory:
             raise ValueError(f"expected a budget in (0, 1] (a fraction of keys), got {budget}")
         if k < 1:
             raise ValueError(f"expected k >= 1, got {k}")
+        if max_unindexed < 0:
+            raise ValueError(f"expected max_unindexed >= 0, got {max_unindexed}")
         if isinstance(geometry, str):
             geometry = make_geometry(geometry, head_dim, **geometry_options)
         elif geometry_options:
@@ -67,6 +77,7 @@ class LocalMemory:
         self.device = torch.device(device)
         self.geometry = geometry.to(self.device)
         self.mode, self.budget, self.k, self.index_kind = mode, budget, k, index
+        self.max_unindexed = max_unindexed
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
             heads, INITIAL_CAPACITY, self.value_dim, device=self.device
@@ -130,6 +141,12 @@ class LocalMemory:
         indexes = self._current_indexes()
         heads = [self._attend_head(q[head], head, indexes[head]) for head in range(self.heads)]
         out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
+        if self._indexed < self._n_tokens:
+            recent = slice(self._indexed, self._n_tokens)
+            exact = dense_attention(
+                q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
+            )
+            out, lse = merge_attention((out, lse), exact)
         return out, lse
 
     __call__ = attend
@@ -142,7 +159,7 @@ class LocalMemory:
         self._indexes = None
 
     def _attend_head(self, q, head, index):
-        k, v = self.keys[head], self.values[head]
+        k, v = self._key_buffer[head, : self._indexed], self._value_buffer[head, : self._indexed]
         if self.mode == "tail":
             return retrieval_attention(
                 q, k, v, self.geometry, index=index, tail=True, budget=self.budget
@@ -150,9 +167,10 @@ class LocalMemory:
         return retrieval_attention(q, k, v, self.geometry, top_k=self.k, index=index)
 
     def _current_indexes(self) -> list:
-        """The mode's index of every head over all tokens: built at the first attend, then
-        extended with the tokens appended since."""
-        if self._indexes is not None and self._indexed == self._n_tokens:
+        """The mode's index of every head over the first `_indexed` tokens: built over all at
+        the first attend, then extended with the tokens appended since, once there are more of
+        them than `max_unindexed`."""
+        if self._indexes is not None and self._n_tokens - self._indexed <= self.max_unindexed:
             return self._indexes
         witness = self.geometry.witness
         if self._indexes is None:

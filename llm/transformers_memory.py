@@ -50,6 +50,7 @@ ATTENTION_NAME = "rewa"
 DEFAULT_WINDOW = 512
 DEFAULT_SINKS = 4
 DEFAULT_SPILL = 256
+LOCAL_MAX_UNINDEXED = 2048  # spilled tokens a local memory reads exactly before indexing them
 
 
 class AttentionMemory(Protocol):
@@ -384,7 +385,11 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def local_memories(**options: Any) -> MemoryFactory:
-    """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, k, device...)."""
+    """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, k, device,
+    max_unindexed...). `max_unindexed` defaults to `LOCAL_MAX_UNINDEXED`: the spills since the
+    index was last extended are read exactly, and the index is extended once per 2048 spilled
+    tokens instead of once per spill (docs/llm.md, "Known limits")."""
+    options = {"max_unindexed": LOCAL_MAX_UNINDEXED, **options}
 
     def make(layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
         return LocalMemory(

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rewa.attention import dense_attention, make_geometry
+from rewa.attention import dense_attention, make_geometry, merge_attention
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, LocalMemory, retrieval_attention
 from rewa.llm import (
@@ -122,6 +122,36 @@ def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_token
             expected = retrieval_attention(queries[head], keys[head], values[head], geometry)
         torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["tail", "topk"])
+def test_recent_tokens_up_to_max_unindexed_are_read_exactly_then_indexed(mode):
+    keys, values, queries = _sequence(n=5000)
+    geometry = make_geometry("dot", 16)
+    memory = LocalMemory(2, 16, mode=mode, max_unindexed=1000)
+    memory.append(keys[:, :3000], values[:, :3000])
+    memory.attend(queries)  # the index of 3000 tokens
+    memory.append(keys[:, 3000:3600], values[:, 3000:3600])
+    memory.append(keys[:, 3600:4000], values[:, 3600:4000])
+    out, lse = memory.attend(queries)  # 1000 unindexed: still read exactly
+    options = {"tail": True} if mode == "tail" else {}
+    for head in range(2):
+        k, v = keys[head, :3000], values[head, :3000]
+        index = KeyClusters.build(geometry.witness(k), v, geometry) if mode == "tail" else "ivf"
+        indexed = retrieval_attention(queries[head], k, v, geometry, index=index, **options)
+        recent = dense_attention(
+            queries[head], keys[head, 3000:4000], values[head, 3000:4000], geometry
+        )
+        expected = merge_attention(indexed, recent)
+        torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
+    memory.append(keys[:, 4000:4001], values[:, 4000:4001])  # one more: indexed now
+    out, lse = memory.attend(queries)
+    every = LocalMemory(2, 16, mode=mode)
+    every.append(keys[:, :4001], values[:, :4001])
+    torch.testing.assert_close((out, lse), every.attend(queries), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="max_unindexed"):
+        LocalMemory(2, 16, max_unindexed=-1)
 
 
 def test_local_and_remote_memories_compute_the_same_attention(server):
