@@ -231,8 +231,10 @@ class Batcher:
         started = time.perf_counter()
         for job in batch:
             job.started_at = started
-        self.waiting -= sum(not job.background for job in batch)
-        self.running += len(batch)
+        # Background jobs are no client's: they count towards neither bound (module docstring).
+        requests = sum(not job.background for job in batch)
+        self.waiting -= requests
+        self.running += requests
         self._gauge()
         try:
             result = await loop.run_in_executor(self.executor, batch[0].run, batch)
@@ -248,7 +250,7 @@ class Batcher:
     def _finished(self, batch: list[Job], started: float) -> None:
         """Times and counts of a device call that has returned."""
         finished = time.perf_counter()
-        self.running -= len(batch)
+        self.running -= sum(not job.background for job in batch)
         self._gauge()
         self._call_seconds = 0.8 * self._call_seconds + 0.2 * (finished - started)
         for job in batch:

@@ -222,6 +222,35 @@ def test_the_batcher_withdraws_a_job_not_started_in_time_and_finishes_started_on
     assert _metric(text, "rewa_jobs_waiting") == 0 and _metric(text, "rewa_jobs_running") == 0
 
 
+def test_a_running_background_job_takes_no_request_slot():
+    """A build at commit that is running must not refuse requests: with room for one request,
+    one is admitted (and waits for the build) while the build runs."""
+    release = threading.Event()
+
+    def build(_):
+        release.wait(30)
+        return "build"
+
+    async def scenario():
+        batcher = Batcher(batching=False, max_queries=100, max_wait_ms=0, queue_size=1)
+        await batcher.start()
+        try:
+            running = asyncio.ensure_future(batcher.background(Job(None, None, 1, build)))
+            await asyncio.sleep(0.05)  # the build is on the worker
+            assert (batcher.running, batcher.pending) == (0, 0)
+            request = asyncio.ensure_future(batcher.submit(Job(None, None, 1, lambda _: "request")))
+            await asyncio.sleep(0.05)
+            assert not request.done() and batcher.pending == 1  # admitted, waiting
+            release.set()
+            assert await request == "request" and await running == "build"
+            assert (batcher.waiting, batcher.running) == (0, 0)
+        finally:
+            release.set()
+            await batcher.stop()
+
+    asyncio.run(scenario())
+
+
 def test_background_jobs_run_when_no_request_waits_and_are_never_refused():
     release = threading.Event()
     ran = []
