@@ -131,44 +131,39 @@ def test_calibration_never_moves_an_estimate_past_its_floor():
     torch.testing.assert_close(result, estimate.floor)
 
 
-def _tail_errors(q, clusters, expected, budget, calibrate=True, monkeypatch=None):
-    if not calibrate:
-        monkeypatch.setattr(tail_module, "calibrated", lambda estimate, *_: estimate.log_mass)
+def _head_errors(scale: float, monkeypatch) -> dict[str, dict[str, float]]:
+    """Errors at 2 % on a synthetic head whose queries are `scale` times as long as the keys
+    they aim at: tail (calibrated), tail with the raw estimate, and the same keys alone."""
+    g = make_geometry("dot", 16).double()
+    k, v, generator = _topics(8192)
+    q = _queries(k, generator, 256, scale=scale)
+    expected = dense_attention(q, k, v, g)
+    clusters = KeyClusters.build(k, v, g)
+    errors = {}
     with torch.no_grad():
-        out, lse = tail_attention(q, clusters, budget=budget)
-    if not calibrate:
-        monkeypatch.undo()
-    return quality(out, lse, *expected)
+        errors["tail"] = quality(*tail_attention(q, clusters, budget=0.02), *expected)
+        errors["alone"] = quality(*tail_attention(q, clusters, budget=0.02, tail=False), *expected)
+        with monkeypatch.context() as patched:
+            patched.setattr(tail_module, "calibrated", lambda estimate, *_: estimate.log_mass)
+            errors["raw"] = quality(*tail_attention(q, clusters, budget=0.02), *expected)
+    return errors
 
 
 def test_on_a_sharp_head_calibration_lowers_the_error_and_tail_beats_the_same_keys_alone(
     monkeypatch,
 ):
-    g = make_geometry("dot", 16).double()
-    k, v, generator = _topics(8192)
-    q = _queries(k, generator, 256, scale=4.0)
-    expected = dense_attention(q, k, v, g)
-    clusters = KeyClusters.build(k, v, g)
-    calibrated_errors = _tail_errors(q, clusters, expected, 0.02)
-    raw = _tail_errors(q, clusters, expected, 0.02, calibrate=False, monkeypatch=monkeypatch)
-    with torch.no_grad():
-        alone = quality(*tail_attention(q, clusters, budget=0.02, tail=False), *expected)
-    assert calibrated_errors["err_median"] < 0.8 * raw["err_median"]
-    assert calibrated_errors["lse_abs_err_median"] < raw["lse_abs_err_median"]
-    assert calibrated_errors["err_median"] < alone["err_median"]
-    assert calibrated_errors["err_p99"] < alone["err_p99"]
+    errors = _head_errors(4.0, monkeypatch)
+    tail, raw, alone = errors["tail"], errors["raw"], errors["alone"]
+    assert tail["err_median"] < 0.8 * raw["err_median"]
+    assert tail["lse_abs_err_median"] < raw["lse_abs_err_median"]
+    assert tail["err_median"] < alone["err_median"] and tail["err_p99"] < alone["err_p99"]
 
 
 def test_on_a_diffuse_head_calibration_changes_little(monkeypatch):
-    g = make_geometry("dot", 16).double()
-    k, v, generator = _topics(8192)
-    q = _queries(k, generator, 256, scale=0.3)
-    expected = dense_attention(q, k, v, g)
-    clusters = KeyClusters.build(k, v, g)
-    calibrated_errors = _tail_errors(q, clusters, expected, 0.02)
-    raw = _tail_errors(q, clusters, expected, 0.02, calibrate=False, monkeypatch=monkeypatch)
-    assert calibrated_errors["err_median"] < 0.05
-    assert abs(calibrated_errors["err_median"] - raw["err_median"]) < 0.1 * raw["err_median"]
+    errors = _head_errors(0.3, monkeypatch)
+    tail, raw = errors["tail"], errors["raw"]
+    assert tail["err_median"] < 0.05
+    assert abs(tail["err_median"] - raw["err_median"]) < 0.1 * raw["err_median"]
 
 
 def test_the_value_shift_leaves_out_only_negligible_clusters(monkeypatch):
