@@ -61,6 +61,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -113,6 +114,18 @@ def query_features(lifts: list[Lift]) -> QueryFeatures:
     return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), _lift_blocks(lifts))
 
 
+class _Regrouped(NamedTuple):
+    """A group that gained keys in `KeyClusters.extend`, cut again: its members' ids, keys,
+    values and features, piece by piece, and the pieces' sizes."""
+
+    label: int
+    ids: torch.Tensor
+    keys_w: torch.Tensor
+    values: torch.Tensor
+    features: torch.Tensor
+    sizes: list[int]
+
+
 @dataclass
 class KeyClusters:
     """A context's keys partitioned into clusters, with per-cluster statistics (module
@@ -130,7 +143,6 @@ class KeyClusters:
     radius: torch.Tensor  # (nc, P)
     value_mean: torch.Tensor  # (nc, dv)
     value_cross: torch.Tensor  # (nc, D, dv)
-    exact_read: torch.Tensor  # (nc,) bool: read exactly by every query (budget allowing)
     centroids: torch.Tensor  # (n_centroids, P) k-means centres in the concatenated lift space
     outlier_distance: torch.Tensor  # () keys this far from their centre join the outlier cluster
     group: torch.Tensor  # (nc,) the centre whose keys each cluster is a piece of (outliers: last)
@@ -139,6 +151,12 @@ class KeyClusters:
     # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read,
     # 3 no centroids, 4 no groups.
     FORMAT = 5
+
+    @property
+    def exact_read(self) -> torch.Tensor:
+        """`(nc,)` bool: the clusters every query reads exactly (budget allowing), the pieces of
+        the outlier group."""
+        return self.group == self.centroids.shape[0]
 
     @property
     def n_keys(self) -> int:
@@ -256,7 +274,6 @@ class KeyClusters:
             keys_w=sorted_keys,
             values=sorted_values,
             counts=counts.to(dtype),
-            exact_read=group == n_clusters,
             centroids=centroids,
             outlier_distance=outlier_distance,
             group=group,
@@ -291,8 +308,8 @@ class KeyClusters:
             self.group, torch.arange(int(self.group[-1]) + 2, device=self.group.device)
         ).tolist()
         bounds = self.offsets.tolist()
-        kept = []  # (first key, end key, first piece, end piece) runs of untouched groups
-        redone = []  # (ids, keys, values, pieces) of every group that gains keys
+        kept = []  # (first key, end key, first piece, end piece): runs of untouched groups
+        regrouped = []  # every group that gains keys, cut again
         previous = 0
         new_ids = torch.arange(n_old, n_old + m, device=self.order.device)
         for label in labels.unique().tolist():
@@ -300,59 +317,68 @@ class KeyClusters:
             kept.append((bounds[previous], bounds[begin], previous, begin))
             previous = end
             joining = labels == label
-            ids = torch.cat([self.order[bounds[begin] : bounds[end]], new_ids[joining]])
-            ids, position = ids.sort()
-            group_keys = torch.cat([self.keys_w[bounds[begin] : bounds[end]], keys_w[joining]])
-            group_values = torch.cat([self.values[bounds[begin] : bounds[end]], values[joining]])
-            group_keys, group_values = group_keys[position], group_values[position]
+            old = slice(bounds[begin], bounds[end])
+            ids, position = torch.cat([self.order[old], new_ids[joining]]).sort()
+            group_keys = torch.cat([self.keys_w[old], keys_w[joining]])[position]
+            group_values = torch.cat([self.values[old], values[joining]])[position]
             features = key_features(self.geometry.lift(group_keys, "key"))
-            local = torch.arange(len(ids), device=ids.device)
-            pieces = _cut(local, features, int(self.max_keys), label == n_centroids)
-            redone.append((label, ids, group_keys, group_values, features, pieces))
+            pieces = _cut(
+                torch.arange(len(ids), device=ids.device),
+                features,
+                int(self.max_keys),
+                label == n_centroids,
+            )
+            order = torch.cat(pieces)  # positions within the group, piece by piece
+            regrouped.append(
+                _Regrouped(
+                    label,
+                    ids[order],
+                    group_keys[order],
+                    group_values[order],
+                    features[order],
+                    [len(piece) for piece in pieces],
+                )
+            )
         kept.append((bounds[previous], bounds[-1], previous, len(bounds) - 1))
-        return self._spliced(kept, redone)
+        return self._spliced(kept, regrouped)
 
-    def _spliced(self, kept: list, redone: list) -> KeyClusters:
-        """This representation with the groups in `redone` replaced, in group order, and the
-        runs `kept` of the others as they are (`extend`)."""
-        new_pieces = [len(pieces) for *_, pieces in redone]
-        sizes = [len(piece) for *_, pieces in redone for piece in pieces]
-        local = [torch.cat(pieces) for *_, pieces in redone]
+    def _spliced(self, kept: list[tuple[int, int, int, int]], regrouped: list) -> KeyClusters:
+        """This representation with the groups `regrouped` (in group order) replaced, and the
+        runs `kept` of the other groups as they are (`extend`)."""
+        sizes = [size for group in regrouped for size in group.sizes]
         stats = _cluster_statistics(
-            torch.cat([f[order] for (*_, f, _), order in zip(redone, local, strict=True)]),
-            torch.cat([v[order] for (*_, v, _, _), order in zip(redone, local, strict=True)]),
+            torch.cat([group.features for group in regrouped]),
+            torch.cat([group.values for group in regrouped]),
             torch.tensor([0, *sizes], device=self.offsets.device).cumsum(0),
             self.geometry.lift(self.keys_w[:1], "key"),
             self.rank,
         )
-        per_key = {"order": 1, "keys_w": 2, "values": 3}
-        arrays: dict[str, list[torch.Tensor]] = {name: [] for name in (*per_key, "counts", "group")}
-        rows: dict[str, list[torch.Tensor]] = {name: [] for name in stats}
+        per_key = {"order": "ids", "keys_w": "keys_w", "values": "values"}
+        parts: dict[str, list[torch.Tensor]] = {
+            name: [] for name in (*per_key, "counts", "group", *stats)
+        }
         done = 0
         for index, (key_begin, key_end, piece_begin, piece_end) in enumerate(kept):
             for name in per_key:
-                arrays[name].append(getattr(self, name)[key_begin:key_end])
-            for name in ("counts", "group"):
-                arrays[name].append(getattr(self, name)[piece_begin:piece_end])
-            for name in stats:
-                rows[name].append(getattr(self, name)[piece_begin:piece_end])
-            if index == len(redone):
+                parts[name].append(getattr(self, name)[key_begin:key_end])
+            for name in ("counts", "group", *stats):
+                parts[name].append(getattr(self, name)[piece_begin:piece_end])
+            if index == len(regrouped):
                 break
-            label, *group_arrays, _, pieces = redone[index]
-            for name, column in per_key.items():
-                arrays[name].append(group_arrays[column - 1][local[index]])
-            arrays["counts"].append(self.counts.new_tensor([len(piece) for piece in pieces]))
-            arrays["group"].append(self.group.new_full((len(pieces),), label))
-            for name, value in stats.items():
-                rows[name].append(value[done : done + new_pieces[index]])
-            done += new_pieces[index]
-        whole = {name: torch.cat(parts) for name, parts in {**arrays, **rows}.items()}
+            group = regrouped[index]
+            for name, field in per_key.items():
+                parts[name].append(getattr(group, field))
+            parts["counts"].append(self.counts.new_tensor(group.sizes))
+            parts["group"].append(self.group.new_full((len(group.sizes),), group.label))
+            for name, rows in stats.items():
+                parts[name].append(rows[done : done + len(group.sizes)])
+            done += len(group.sizes)
+        whole = {name: torch.cat(pieces) for name, pieces in parts.items()}
         counts = whole.pop("counts")
         return type(self)(
             geometry=self.geometry,
             offsets=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long(),
             counts=counts,
-            exact_read=whole["group"] == self.centroids.shape[0],
             centroids=self.centroids,
             outlier_distance=self.outlier_distance,
             max_keys=self.max_keys,

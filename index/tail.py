@@ -273,10 +273,9 @@ def calibrated(
 
     Why: the second-order estimate assumes Gaussian similarities, whose upper tail is heavier
     than a cluster's (its keys are bounded). Where the logits are steep (sharp heads), it
-    overestimates every cluster, read or not, by about the same fraction of its variance term:
-    on MiniLM layer 1, head 8 (an effective support of ~900 keys of 131072), 2 % of the keys
-    read, the read clusters were overestimated by a median 0.8 nats and the unread ones by 0.9.
-    The keys a query read exactly are a free measurement of its own estimator's bias."""
+    overestimates every cluster, read or not, by about the same fraction of its variance term
+    (measured in docs/benchmark-notes.md, "Tail attention on sharp heads"). The keys a query
+    read exactly are a free measurement of its own estimator's bias."""
     log_mass, floor = estimate.log_mass, estimate.floor
     if pair_query.numel() == 0:
         return log_mass
@@ -529,8 +528,8 @@ def _dot_product_sums(
 ) -> None:
     """`_shared_reference_attention`'s loop for the dot product (`queries` already scaled), in
     numpy on the tensors' memory: the loop runs four small operations per visited cluster, and
-    a numpy call costs a few microseconds less than a PyTorch one. With ~600 clusters visited
-    by 1024 queries (MiniLM, 131072 keys, 1 %) that was 17 ms of a 45 ms call."""
+    a numpy call costs a few microseconds less than a PyTorch one (measured in
+    docs/benchmark-notes.md, "Tail attention on sharp heads")."""
     keys_w, values = clusters.keys_w.numpy(), clusters.values.numpy()
     queries, bias = queries.numpy(), bias.numpy()
     sums, totals = weighted_values.numpy(), weight_sums.numpy()
@@ -718,9 +717,9 @@ def _merge_partials(
 def _rows_added(table: torch.Tensor, rows: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
     """`table` with each row of `added` `(m, dv)` summed into its row `rows[i]`, in place.
 
-    `index_put_` with `accumulate`, not `index_add_`: on this 2-core CPU with two threads,
-    `index_add_` of 32 rows into a (4, 128) table took 0.5-12 ms per call (7 us with one
-    thread), `index_put_` 8 us either way; in a decode step at 131k keys it took 3.5 of 12.7 ms.
+    `index_put_` with `accumulate`, not `index_add_`: with two threads on a 2-core CPU,
+    `index_add_` of a few rows into a small table took up to milliseconds per call, where
+    `index_put_` takes microseconds (docs/benchmark-notes.md, "Tail attention on sharp heads").
     """
     return table.index_put_((rows,), added, accumulate=True)
 
