@@ -77,6 +77,7 @@ DEFAULT_OUTLIERS = 0.001
 DEFAULT_MAX_CLUSTER_KEYS = 256
 MIN_CLUSTER_KEYS = 32
 SUMMARY_RATIO = 8  # a cluster's keys and values take at least 8x its cross-covariance
+STATISTICS_BATCH_ELEMENTS = 1 << 22  # elements of one batch of clusters' statistics
 
 
 @dataclass
@@ -471,39 +472,76 @@ def _cluster_statistics(
     lifts: list[Lift],
     rank: int,
 ) -> dict[str, torch.Tensor]:
-    """Per-cluster moments of sorted features `(n, D)` and values `(n, dv)`."""
+    """Per-cluster moments of sorted features `(n, D)` and values `(n, dv)`, computed in their
+    dtype (float32 or float64) for batches of clusters of similar size (`_batch_statistics`)."""
     n_clusters, dim, value_dim = len(offsets) - 1, features.shape[-1], values.shape[-1]
     rank = min(rank, dim)
     blocks = _lift_blocks(lifts)
     like = features.new_zeros
-    mean, residual = like(n_clusters, dim), like(n_clusters, dim)
-    factor, radius = like(n_clusters, dim, rank), like(n_clusters, len(blocks))
-    value_mean, value_cross = like(n_clusters, value_dim), like(n_clusters, dim, value_dim)
-    bounds = offsets.tolist()
-    for c in range(n_clusters):
-        first, last = bounds[c], bounds[c + 1]
-        if first == last:
-            continue
-        b, v = features[first:last].double(), values[first:last].double()
-        mu, m = b.mean(0), v.mean(0)
-        centred, centred_v = b - mu, v - m
-        covariance = centred.T @ centred / len(b)
-        eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
-        top = eigenvectors[:, dim - rank :]
-        root = eigenvalues[dim - rank :].clamp_min(0).sqrt()
-        left_out = covariance.diagonal() - (top * root).square().sum(-1)
-        mean[c], value_mean[c] = mu, m
-        factor[c] = top * root
-        residual[c] = left_out.clamp_min(0)
-        value_cross[c] = centred.T @ centred_v / len(b)
-        radius[c] = torch.stack([centred[:, s].norm(dim=-1).max() for s in blocks])
+    stats = {
+        "mean": like(n_clusters, dim),
+        "factor": like(n_clusters, dim, rank),
+        "residual": like(n_clusters, dim),
+        "radius": like(n_clusters, len(blocks)),
+        "value_mean": like(n_clusters, value_dim),
+        "value_cross": like(n_clusters, dim, value_dim),
+    }
+    counts = offsets.diff()
+    by_size = counts.argsort()
+    sizes = counts[by_size].tolist()
+    per_cluster = dim * dim + dim * value_dim  # the covariances' elements
+    begin = 0
+    while begin < n_clusters:
+        end = begin + 1
+        while (
+            end < n_clusters
+            and (end + 1 - begin) * (sizes[end] * (dim + value_dim) + per_cluster)
+            <= STATISTICS_BATCH_ELEMENTS
+        ):
+            end += 1
+        batch = by_size[begin:end]
+        found = _batch_statistics(features, values, offsets[batch], counts[batch], blocks, rank)
+        for name, rows in found.items():
+            stats[name][batch] = rows
+        begin = end
+    return stats
+
+
+def _batch_statistics(
+    features: torch.Tensor,
+    values: torch.Tensor,
+    first: torch.Tensor,
+    counts: torch.Tensor,
+    blocks: list[slice],
+    rank: int,
+) -> dict[str, torch.Tensor]:
+    """The moments of the clusters whose keys are rows `first[c] : first[c] + counts[c]` of the
+    sorted features and values: the clusters' rows gathered into one zero-padded
+    `(nb, longest, D)` batch, centred before their products."""
+    dim = features.shape[-1]
+    position = torch.arange(max(int(counts.max()), 1), device=features.device)
+    present = (position < counts.unsqueeze(-1)).unsqueeze(-1)  # (nb, longest, 1)
+    rows = (first.unsqueeze(-1) + position).clamp_max(features.shape[0] - 1)
+    size = counts.clamp_min(1).to(features.dtype).reshape(-1, 1, 1)
+    b = features[rows] * present
+    v = values[rows] * present
+    mu, m = b.sum(1, keepdim=True) / size, v.sum(1, keepdim=True) / size
+    centred, centred_v = (b - mu) * present, (v - m) * present
+    covariance = centred.transpose(1, 2) @ centred / size
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
+    top = eigenvectors[..., dim - rank :]
+    # An eigenvector's sign is arbitrary; fixed (its largest component positive) so that the
+    # same cluster gets the same factor in any batch.
+    top = top * top.gather(1, top.abs().argmax(1, keepdim=True)).sign()
+    factor = top * eigenvalues[:, None, dim - rank :].clamp_min(0).sqrt()
+    left_out = covariance.diagonal(dim1=-2, dim2=-1) - factor.square().sum(-1)
     return {
-        "mean": mean,
+        "mean": mu.squeeze(1),
         "factor": factor,
-        "residual": residual,
-        "radius": radius,
-        "value_mean": value_mean,
-        "value_cross": value_cross,
+        "residual": left_out.clamp_min(0),
+        "radius": torch.stack([centred[..., s].norm(dim=-1).amax(1) for s in blocks], -1),
+        "value_mean": m.squeeze(1),
+        "value_cross": centred.transpose(1, 2) @ centred_v / size,
     }
 
 
