@@ -60,8 +60,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass, fields
-from typing import NamedTuple
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -115,18 +114,6 @@ def query_features(lifts: list[Lift]) -> QueryFeatures:
     return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), _lift_blocks(lifts))
 
 
-class _Regrouped(NamedTuple):
-    """A group that gained keys in `KeyClusters.extend`, cut again: its members' ids, keys,
-    values and features, piece by piece, and the pieces' sizes."""
-
-    label: int
-    ids: torch.Tensor
-    keys_w: torch.Tensor
-    values: torch.Tensor
-    features: torch.Tensor
-    sizes: list[int]
-
-
 @dataclass
 class KeyClusters:
     """A context's keys partitioned into clusters, with per-cluster statistics (module
@@ -147,11 +134,15 @@ class KeyClusters:
     centroids: torch.Tensor  # (n_centroids, P) k-means centres in the concatenated lift space
     outlier_distance: torch.Tensor  # () keys this far from their centre join the outlier cluster
     group: torch.Tensor  # (nc,) the centre whose keys each cluster is a piece of (outliers: last)
-    max_keys: torch.Tensor  # () the most keys a group keeps whole; 0: groups are never cut
+    max_keys: torch.Tensor  # () the most trained keys a piece holds; 0: groups are never cut
+    split_axis: torch.Tensor  # (n_splits, D) float64: each cut's direction in feature space
+    split_threshold: torch.Tensor  # (n_splits,) float64: keys at or past it take the second side
+    split_children: torch.Tensor  # (n_splits, 2) each side: a cut (>= 0) or piece p (-1 - p)
+    group_root: torch.Tensor  # (n_groups,) each group's first cut, or its one piece, coded so
 
     # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read,
-    # 3 no centroids, 4 no groups.
-    FORMAT = 5
+    # 3 no centroids, 4 no groups, 5 pieces cut from all keys instead of the trained ones.
+    FORMAT = 6
 
     @property
     def exact_read(self) -> torch.Tensor:
@@ -253,17 +244,13 @@ class KeyClusters:
             outlier_distance = distance[:prefix].topk(n_outliers).values[-1]
             labels = labels.masked_fill(distance >= outlier_distance, n_clusters)
             n_groups += 1
-        grouped = labels.argsort(stable=True)
-        sizes = torch.bincount(labels, minlength=n_groups).tolist()
-        pieces, group = [], []
-        for label, members in enumerate(grouped.split(sizes)):
-            cut = _cut(members, features[members], max_cluster_keys, label == n_clusters)
-            pieces += cut
-            group += [label] * len(cut)
-        order = torch.cat(pieces)
-        counts = torch.tensor([len(piece) for piece in pieces], device=keys_w.device)
+        trees = _PieceTrees.grown(
+            features[:prefix], labels[:prefix], n_groups, max_cluster_keys, n_groups > n_clusters
+        )
+        piece = trees.pieces_of(features, labels)
+        order = piece.argsort(stable=True)  # by piece, ids ascending within each
+        counts = torch.bincount(piece, minlength=trees.n_pieces)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        group = torch.tensor(group, device=keys_w.device)
         sorted_keys, sorted_values = keys_w[order], values[order]
         stats = _cluster_statistics(
             features[order], sorted_values, offsets, geometry.lift(sorted_keys[:1], "key"), rank
@@ -277,8 +264,8 @@ class KeyClusters:
             counts=counts.to(dtype),
             centroids=centroids,
             outlier_distance=outlier_distance,
-            group=group,
             max_keys=torch.tensor(max_cluster_keys),
+            **trees.fields(keys_w.device),
             **stats,
         )
 
@@ -287,8 +274,9 @@ class KeyClusters:
         """The representation of these keys followed by `keys_w` `(m, d_w)` and `values`
         `(m, dv)`: equal to `build` over all of them, given the `build_options` this
         representation was built with (the rank is its own). The new keys are assigned to the
-        trained centroids and only the clusters they join are recomputed; when the trained
-        prefix moves (`growth.retrains`), everything is built again with those options."""
+        trained centroids and down their group's cuts to a piece, and only the pieces they join
+        are recomputed; when the trained prefix moves (`growth.retrains`), everything is built
+        again with those options."""
         n_old, m = self.n_keys, keys_w.shape[0]
         if m == 0:
             return self
@@ -302,94 +290,51 @@ class KeyClusters:
                 self.geometry,
                 **{"rank": self.rank, **build_options},
             )
-        labels = self._assign(keys_w)
-        n_centroids = self.centroids.shape[0]
-        # Pieces [first_piece[g], first_piece[g + 1]) are group g's; every group has at least one.
-        first_piece = torch.searchsorted(
-            self.group, torch.arange(int(self.group[-1]) + 2, device=self.group.device)
-        ).tolist()
-        bounds = self.offsets.tolist()
-        kept = []  # (first key, end key, first piece, end piece): runs of untouched groups
-        regrouped = []  # every group that gains keys, cut again
-        previous = 0
+        lifts = self.geometry.lift(keys_w, "key")
+        new_piece = self._trees().pieces_of(key_features(lifts), self._assign(lifts))
+        n_pieces = self.n_clusters
+        # Each new key goes at the end of its piece (after the old keys, in id order), which
+        # keeps every piece's ids ascending.
+        by_piece = new_piece.argsort(stable=True)
+        at = self.offsets[new_piece[by_piece] + 1]
         new_ids = torch.arange(n_old, n_old + m, device=self.order.device)
-        for label in labels.unique().tolist():
-            begin, end = first_piece[label], first_piece[label + 1]
-            kept.append((bounds[previous], bounds[begin], previous, begin))
-            previous = end
-            joining = labels == label
-            old = slice(bounds[begin], bounds[end])
-            ids, position = torch.cat([self.order[old], new_ids[joining]]).sort()
-            group_keys = torch.cat([self.keys_w[old], keys_w[joining]])[position]
-            group_values = torch.cat([self.values[old], values[joining]])[position]
-            features = key_features(self.geometry.lift(group_keys, "key"))
-            pieces = _cut(
-                torch.arange(len(ids), device=ids.device),
-                features,
-                int(self.max_keys),
-                label == n_centroids,
-            )
-            order = torch.cat(pieces)  # positions within the group, piece by piece
-            regrouped.append(
-                _Regrouped(
-                    label,
-                    ids[order],
-                    group_keys[order],
-                    group_values[order],
-                    features[order],
-                    [len(piece) for piece in pieces],
-                )
-            )
-        kept.append((bounds[previous], bounds[-1], previous, len(bounds) - 1))
-        return self._spliced(kept, regrouped)
-
-    def _spliced(self, kept: list[tuple[int, int, int, int]], regrouped: list) -> KeyClusters:
-        """This representation with the groups `regrouped` (in group order) replaced, and the
-        runs `kept` of the other groups as they are (`extend`)."""
-        sizes = [size for group in regrouped for size in group.sizes]
+        order = _inserted(self.order, new_ids[by_piece], at)
+        sorted_keys = _inserted(self.keys_w, keys_w[by_piece], at)
+        sorted_values = _inserted(self.values, values[by_piece], at)
+        counts = self.counts + torch.bincount(new_piece, minlength=n_pieces).to(self.counts.dtype)
+        offsets = torch.cat([self.offsets.new_zeros(1), counts.long().cumsum(0)])
+        touched = new_piece.unique()
+        rows = _ranges(offsets[touched], offsets[touched + 1])
         stats = _cluster_statistics(
-            torch.cat([group.features for group in regrouped]),
-            torch.cat([group.values for group in regrouped]),
-            torch.tensor([0, *sizes], device=self.offsets.device).cumsum(0),
-            self.geometry.lift(self.keys_w[:1], "key"),
+            key_features(self.geometry.lift(sorted_keys[rows], "key")),
+            sorted_values[rows],
+            torch.cat([offsets.new_zeros(1), counts[touched].long().cumsum(0)]),
+            self.geometry.lift(sorted_keys[:1], "key"),
             self.rank,
         )
-        per_key = {"order": "ids", "keys_w": "keys_w", "values": "values"}
-        parts: dict[str, list[torch.Tensor]] = {
-            name: [] for name in (*per_key, "counts", "group", *stats)
-        }
-        done = 0
-        for index, (key_begin, key_end, piece_begin, piece_end) in enumerate(kept):
-            for name in per_key:
-                parts[name].append(getattr(self, name)[key_begin:key_end])
-            for name in ("counts", "group", *stats):
-                parts[name].append(getattr(self, name)[piece_begin:piece_end])
-            if index == len(regrouped):
-                break
-            group = regrouped[index]
-            for name, field in per_key.items():
-                parts[name].append(getattr(group, field))
-            parts["counts"].append(self.counts.new_tensor(group.sizes))
-            parts["group"].append(self.group.new_full((len(group.sizes),), group.label))
-            for name, rows in stats.items():
-                parts[name].append(rows[done : done + len(group.sizes)])
-            done += len(group.sizes)
-        whole = {name: torch.cat(pieces) for name, pieces in parts.items()}
-        counts = whole.pop("counts")
-        return type(self)(
-            geometry=self.geometry,
-            offsets=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long(),
+        return replace(
+            self,
+            order=order,
+            offsets=offsets,
+            keys_w=sorted_keys,
+            values=sorted_values,
             counts=counts,
-            centroids=self.centroids,
-            outlier_distance=self.outlier_distance,
-            max_keys=self.max_keys,
-            **whole,
+            **{
+                name: getattr(self, name).index_copy(0, touched, rows_)
+                for name, rows_ in stats.items()
+            },
         )
 
-    def _assign(self, keys_w: torch.Tensor) -> torch.Tensor:
-        """The group of each new key: its nearest centroid, or the outlier group (numbered after
-        the centroids) when it lies at least `outlier_distance` from it."""
-        labels, distance = _nearest(_points(self.geometry.lift(keys_w, "key")), self.centroids)
+    def _trees(self) -> _PieceTrees:
+        return _PieceTrees(
+            self.split_axis, self.split_threshold, self.split_children, self.group_root,
+            self.n_clusters,
+        )  # fmt: skip
+
+    def _assign(self, lifts: list[Lift]) -> torch.Tensor:
+        """The group of each new key (its `lifts`): its nearest centroid, or the outlier group
+        (numbered after the centroids) when it lies at least `outlier_distance` from it."""
+        labels, distance = _nearest(_points(lifts), self.centroids)
         return labels.masked_fill(distance >= self.outlier_distance, self.centroids.shape[0])
 
     def to_bytes(self) -> bytes:
@@ -555,24 +500,146 @@ def _lift_blocks(lifts: list[Lift]) -> list[slice]:
     return slices
 
 
-def _cut(
-    members: torch.Tensor, features: torch.Tensor, max_keys: int, whole: bool
-) -> list[torch.Tensor]:
-    """A group's `members` (key ids, ascending) in pieces of at most `max_keys` (all of them in
-    one piece if `whole` or `max_keys` is 0): cut in two across the principal axis of their
-    `features` `(m, D)`, into parts sized for ceil(m / max_keys) pieces between them, and each
-    part cut again the same way. Each piece keeps its ids ascending."""
-    n_pieces = 1 if whole or max_keys == 0 else -(-len(members) // max_keys)
+@dataclass
+class _PieceTrees:
+    """Every group's cuts into pieces (module docstring, "Pieces"), as `KeyClusters` keeps them:
+    a cut sends a key with features `b` to its second side when `<b, axis> >= threshold`, to
+    its first otherwise; a side is another cut (>= 0) or piece p (coded -1 - p). Pieces are
+    numbered group by group, each group's in the order of its sides, first sides first."""
+
+    axis: torch.Tensor  # (n_splits, D) float64
+    threshold: torch.Tensor  # (n_splits,) float64
+    children: torch.Tensor  # (n_splits, 2)
+    root: torch.Tensor  # (n_groups,)
+    n_pieces: int
+    group: torch.Tensor | None = None  # (n_pieces,) each piece's group, when grown
+
+    @classmethod
+    def grown(
+        cls,
+        features: torch.Tensor,
+        labels: torch.Tensor,
+        n_groups: int,
+        max_keys: int,
+        last_whole: bool,
+    ) -> _PieceTrees:
+        """The cuts of the trained keys' `features` `(n_t, D)` in their groups `labels`: a set of
+        more than `max_keys` keys (0: none is cut) is cut across its principal axis into parts
+        sized for ceil(m / max_keys) pieces, and each part cut again. The last group stays whole
+        when `last_whole` (the outliers)."""
+        axes, thresholds, children, pieces_group = [], [], [], []
+
+        def grow(rows: torch.Tensor, label: int) -> int:
+            split = None if max_keys == 0 else _split(features[rows].double(), max_keys)
+            if split is None:
+                pieces_group.append(label)
+                return -len(pieces_group)  # piece len - 1
+            axis, threshold, second = split
+            node = len(axes)
+            axes.append(axis)
+            thresholds.append(threshold)
+            children.append([0, 0])
+            first_side = grow(rows[~second], label)
+            children[node] = [first_side, grow(rows[second], label)]
+            return node
+
+        grouped = labels.argsort(stable=True)
+        sizes = torch.bincount(labels, minlength=n_groups).tolist()
+        roots = []
+        for label, rows in enumerate(grouped.split(sizes)):
+            whole = last_whole and label == n_groups - 1
+            roots.append(grow(rows[:0] if whole else rows, label))
+        dim = features.shape[-1]
+        device = features.device
+        return cls(
+            axis=torch.stack(axes) if axes else torch.zeros(0, dim, dtype=torch.float64),
+            threshold=torch.tensor(thresholds, dtype=torch.float64),
+            children=torch.tensor(children, dtype=torch.long).reshape(-1, 2),
+            root=torch.tensor(roots, dtype=torch.long),
+            n_pieces=len(pieces_group),
+            group=torch.tensor(pieces_group, dtype=torch.long),
+        ).to(device)
+
+    def to(self, device: torch.device) -> _PieceTrees:
+        return replace(
+            self,
+            axis=self.axis.to(device),
+            threshold=self.threshold.to(device),
+            children=self.children.to(device),
+            root=self.root.to(device),
+            group=None if self.group is None else self.group.to(device),
+        )
+
+    def fields(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The `KeyClusters` fields of grown trees."""
+        assert self.group is not None
+        moved = self.to(device)
+        return {
+            "group": moved.group,
+            "split_axis": moved.axis,
+            "split_threshold": moved.threshold,
+            "split_children": moved.children,
+            "group_root": moved.root,
+        }
+
+    def pieces_of(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The piece `(m,)` of keys with `features` `(m, D)` in groups `labels` `(m,)`."""
+        code = self.root[labels]
+        while True:
+            at = (code >= 0).nonzero().squeeze(-1)
+            if len(at) == 0:
+                return -1 - code
+            node = code[at]
+            projection = (features[at].double() * self.axis[node]).sum(-1)
+            code[at] = self.children[node, (projection >= self.threshold[node]).long()]
+
+
+def _split(
+    features: torch.Tensor, max_keys: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """How to cut a set of keys with `features` `(m, D)` (float64) in two: its principal axis,
+    the threshold sized for ceil(m / max_keys) pieces between the parts (moved to the nearest
+    place where the projections differ), and which keys take the second side; None when the
+    set fits or cannot be cut (every projection equal)."""
+    m = features.shape[0]
+    n_pieces = -(-m // max_keys)
     if n_pieces <= 1:
-        return [members]
-    centred = features.double()
-    centred = centred - centred.mean(0)
-    along = (centred @ _principal_axis(centred)).argsort(stable=True)
-    first = len(members) * (n_pieces // 2) // n_pieces
-    parts = along[:first].sort().values, along[first:].sort().values
-    return [
-        piece for part in parts for piece in _cut(members[part], features[part], max_keys, False)
-    ]
+        return None
+    axis = _principal_axis(features - features.mean(0))
+    projection = (features * axis).sum(-1)  # as `_PieceTrees.pieces_of` computes it
+    ascending = projection.sort().values
+    steps = (ascending.diff() > 0).nonzero().squeeze(-1) + 1  # i: ascending[i - 1] < ascending[i]
+    if len(steps) == 0:
+        return None
+    wanted = m * (n_pieces // 2) // n_pieces
+    at = int(steps[(steps - wanted).abs().argmin()])
+    threshold = (ascending[at - 1] + ascending[at]) / 2
+    return axis, threshold, projection >= threshold
+
+
+def _inserted(rows: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`rows` with `new` inserted: new row i just before old row `at[i]` (`at` ascending; the
+    number of rows: at the end), by slices, not by a gather."""
+    places, runs = torch.unique_consecutive(at, return_counts=True)
+    parts, previous, taken = [], 0, 0
+    for place, run in zip(places.tolist(), runs.tolist(), strict=True):
+        parts += [rows[previous:place], new[taken : taken + run]]
+        previous, taken = place, taken + run
+    parts.append(rows[previous:])
+    if rows.device.type != "cpu":
+        return torch.cat(parts)
+    # numpy's allocator asks the kernel for huge pages for large arrays: the copy of a 128k x 128
+    # float32 table took 12 ms against torch.cat's 26 ms on this project's 2-core machine.
+    return torch.from_numpy(np.concatenate([part.numpy() for part in parts]))
+
+
+def _ranges(begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """The concatenated integer ranges `[begin[i], end[i])`."""
+    lengths = end - begin
+    starts = torch.repeat_interleave(
+        begin - torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]]), lengths
+    )
+    return starts + torch.arange(int(lengths.sum()), device=begin.device)
 
 
 def _principal_axis(centred: torch.Tensor, steps: int = 8) -> torch.Tensor:
