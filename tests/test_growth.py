@@ -56,6 +56,8 @@ def test_extended_clusters_equal_clusters_built_at_once(geometry):
             else:
                 assert torch.equal(mine, theirs), (stop, field.name)
     assert grown.n_keys == STEPS[-1] and grown.exact_read[-1]  # the outlier cluster
+    # Pieces were cut as they filled: none holds more than the cap.
+    assert 0 < grown.counts[~grown.exact_read].max() <= int(grown.max_keys)
     q = torch.randn(8, 16, dtype=torch.float64) * 0.1
     out, lse = tail_attention(q, grown, budget=0.05, tail=True)
     expected = tail_attention(q, KeyClusters.build(kw, v, g), budget=0.05, tail=True)
