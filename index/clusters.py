@@ -40,19 +40,22 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
 - the k-means `centroids` (in the concatenated lift space) that the keys were assigned to.
 
 Pieces. A centre's keys form its group, and a group is cut into pieces, the clusters above
-(`group` names each one's centre). The cuts are drawn on the group's trained keys: a set of more
-than `max_keys` of them is cut across its principal axis (the set's largest spread) at the
-threshold that leaves ceil(m / max_keys) pieces' worth of keys on the first side, and each side
-is cut again, so a piece is a compact slab of its group. Every key, trained or appended, then
-goes down its group's cuts (`<b(k), axis> >= threshold`: second side) to its piece; a piece
-holds at most `max_keys` trained keys, and up to about twice as many keys before the next
-retraining. Two reasons for pieces (docs/mathematics.md 6, "Pieces"): a query's most massive
-cluster must fit in a small budget (k-means groups range over 0.5-3x their mean size), and the
-moments of a smaller, tighter cluster estimate it better. `default_cluster_keys` sizes them.
+(`group` names each one's centre). The first cuts are drawn on the group's trained keys: a set
+of more than `max_keys` of them is cut across its principal axis (the set's largest spread) at
+the threshold that leaves ceil(m / max_keys) pieces' worth of keys on the first side, and each
+side is cut again, so a piece is a compact slab of its group. Every key, trained or appended,
+goes down its group's cuts (`<b(k), axis> >= threshold`: second side) to its piece, and a piece
+that comes to hold more than `max_keys` keys is cut in two across the principal axis of its
+first `max_keys + 1` keys (its keys in context order), each side again while it holds too many.
+So no piece holds more than `max_keys` keys. Two reasons for pieces (docs/mathematics.md 6,
+"Pieces"): a query's most massive cluster must fit in a small budget (k-means groups range over
+0.5-3x their mean size), and the moments of a smaller, tighter cluster estimate it better.
+`default_cluster_keys` sizes them.
 
-k-means and the cuts learn from the first `growth.trained_prefix(n)` keys only, and every key
-is assigned by them, so `extend` (appended keys assigned to a piece each, and only the pieces
-they join recomputed) gives the representation `build` gives over the same keys
+k-means and the first cuts learn from the first `growth.trained_prefix(n)` keys only, and a
+later cut from a piece's first keys, so the pieces do not depend on how the keys arrived:
+`extend` (appended keys assigned to a piece each, pieces cut where they overfill, and only the
+pieces that changed recomputed) gives the representation `build` gives over the same keys
 (docs/indexes.md).
 
 `to_bytes` / `from_bytes` serialise everything but the geometry (numpy `.npz`, no pickle).
@@ -144,7 +147,7 @@ class KeyClusters:
     group_root: torch.Tensor  # (n_groups,) each group's first cut, or its one piece, coded so
 
     # Of `to_bytes`; 1 kept a rank-r value factor instead of value_cross, 2 had no exact_read,
-    # 3 no centroids, 4 no groups, 5 pieces cut from all keys instead of the trained ones.
+    # 3 no centroids, 4 no groups, 5 no cuts (each extend cut the groups again from all keys).
     FORMAT = 6
 
     @property
@@ -356,8 +359,8 @@ class KeyClusters:
         joined = torch.zeros(n_pieces, dtype=torch.bool, device=piece.device)
         joined[new_piece] = True
         cut_off = torch.ones(trees.n_pieces, dtype=torch.bool, device=piece.device)
-        cut_off[renumbered] = False  # pieces that did not exist before
-        touched = (cut_off.index_fill(0, renumbered[joined], True)).nonzero().squeeze(-1)
+        cut_off[renumbered] = False  # the second sides of the cuts: new pieces
+        touched = cut_off.index_fill(0, renumbered[joined], True).nonzero().squeeze(-1)
         kept = (~joined).nonzero().squeeze(-1)
         stats = self._piece_statistics(sorted_keys, sorted_values, offsets, touched)
         moments = {}
@@ -398,6 +401,7 @@ class KeyClusters:
         )
 
     def _trees(self) -> _PieceTrees:
+        """The cuts of every group into its pieces."""
         return _PieceTrees(
             self.split_axis, self.split_threshold, self.split_children, self.group_root,
             self.group,
@@ -636,7 +640,7 @@ class _PieceTrees:
 
     def to(self, device: torch.device) -> _PieceTrees:
         return _PieceTrees(
-            *(getattr(self, field.name).to(device) for field in fields(self))  # type: ignore[arg-type]
+            **{field.name: getattr(self, field.name).to(device) for field in fields(self)}
         )
 
     def fields(self) -> dict[str, torch.Tensor]:
