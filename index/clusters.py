@@ -508,20 +508,29 @@ def _cluster_statistics(
         "value_cross": like(n_clusters, dim, value_dim),
     }
     counts = offsets.diff()
-    by_size = counts.argsort()
-    sizes = counts[by_size].tolist()
+    # Each cluster's rows are padded to the power of two at or above its count, and a batch holds
+    # clusters of one padded length: a cluster's moments are then computed by the same
+    # operations whatever else is in its batch, so they come out the same bit for bit in a
+    # build and in an extend (docs/indexes.md, "Appends").
+    padded = torch.where(counts > 1, 2 ** torch.ceil(torch.log2(counts.clamp_min(1).double())), 1)
+    padded = padded.long()
+    by_size = padded.argsort(stable=True)
+    lengths = padded[by_size].tolist()
     per_cluster = dim * dim + dim * value_dim  # the covariances' elements
     begin = 0
     while begin < n_clusters:
-        end = begin + 1
+        length, end = lengths[begin], begin + 1
         while (
             end < n_clusters
-            and (end + 1 - begin) * (sizes[end] * (dim + value_dim) + per_cluster)
+            and lengths[end] == length
+            and (end + 1 - begin) * (length * (dim + value_dim) + per_cluster)
             <= STATISTICS_BATCH_ELEMENTS
         ):
             end += 1
         batch = by_size[begin:end]
-        found = _batch_statistics(features, values, offsets[batch], counts[batch], blocks, rank)
+        found = _batch_statistics(
+            features, values, offsets[batch], counts[batch], length, blocks, rank
+        )
         for name, rows in found.items():
             stats[name][batch] = rows
         begin = end
@@ -533,14 +542,15 @@ def _batch_statistics(
     values: torch.Tensor,
     first: torch.Tensor,
     counts: torch.Tensor,
+    length: int,
     blocks: list[slice],
     rank: int,
 ) -> dict[str, torch.Tensor]:
     """The moments of the clusters whose keys are rows `first[c] : first[c] + counts[c]` of the
-    sorted features and values: the clusters' rows gathered into one zero-padded
-    `(nb, longest, D)` batch, centred before their products."""
+    sorted features and values: the clusters' rows gathered into one `(nb, length, D)` batch
+    padded with zeros, centred before their products."""
     dim = features.shape[-1]
-    position = torch.arange(max(int(counts.max()), 1), device=features.device)
+    position = torch.arange(length, device=features.device)
     present = (position < counts.unsqueeze(-1)).unsqueeze(-1)  # (nb, longest, 1)
     rows = (first.unsqueeze(-1) + position).clamp_max(features.shape[0] - 1)
     size = counts.clamp_min(1).to(features.dtype).reshape(-1, 1, 1)

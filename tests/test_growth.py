@@ -119,3 +119,20 @@ def test_extending_with_fewer_keys_than_indexed_is_refused():
     index = build_index(k, g, "ivf")
     with pytest.raises(ValueError, match="at least the 5000 keys"):
         index.extend(k[:10])
+
+
+def test_float32_clusters_extended_token_by_token_equal_a_build_bit_for_bit():
+    """A cluster's moments do not depend on which other clusters they were computed with, so a
+    float32 context grown by appends is the context built at once, exactly (the service's
+    answers after a commit equal a fresh load's)."""
+    g = make_geometry("dot", 16)
+    k, v = _keys(6100)
+    kw = g.witness(k)
+    stops = [6000, 6001, *range(6012, 6101, 11)]
+    grown = KeyClusters.build(kw[:6000], v[:6000], g)
+    for start, stop in pairwise(stops):
+        grown = grown.extend(kw[start:stop], v[start:stop])
+    whole = KeyClusters.build(kw[: stops[-1]], v[: stops[-1]], g)
+    for field in fields(KeyClusters):
+        if field.name != "geometry":
+            assert torch.equal(getattr(grown, field.name), getattr(whole, field.name)), field.name
