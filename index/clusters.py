@@ -318,18 +318,10 @@ class KeyClusters:
         offsets = torch.cat([self.offsets.new_zeros(1), counts.long().cumsum(0)])
         touched = new_piece.unique()
         stats = self._piece_statistics(sorted_keys, sorted_values, offsets, touched)
-        return replace(
-            self,
-            order=order,
-            offsets=offsets,
-            keys_w=sorted_keys,
-            values=sorted_values,
-            counts=counts,
-            **{
-                name: getattr(self, name).index_copy(0, touched, rows_)
-                for name, rows_ in stats.items()
-            },
-        )
+        moments = {
+            name: getattr(self, name).index_copy(0, touched, rows) for name, rows in stats.items()
+        }
+        return self._laid_out(order, sorted_keys, sorted_values, counts, **moments)
 
     def _with_cut_pieces(
         self, keys_w: torch.Tensor, values: torch.Tensor, new_piece: torch.Tensor
@@ -371,15 +363,28 @@ class KeyClusters:
                 .index_copy_(0, renumbered[kept], old[kept])
                 .index_copy_(0, touched, rows)
             )
+        return self._laid_out(
+            order, sorted_keys, sorted_values, counts, **trees.fields(), **moments
+        )
+
+    def _laid_out(
+        self,
+        order: torch.Tensor,
+        sorted_keys: torch.Tensor,
+        sorted_values: torch.Tensor,
+        counts: torch.Tensor,
+        **changed: torch.Tensor,
+    ) -> KeyClusters:
+        """This representation with its keys laid out anew (`order`, the sorted keys and values,
+        each piece's `counts`) and the `changed` fields replaced (`extend`)."""
         return replace(
             self,
             order=order,
-            offsets=offsets,
+            offsets=torch.cat([counts.new_zeros(1), counts.cumsum(0)]).long(),
             keys_w=sorted_keys,
             values=sorted_values,
             counts=counts.to(self.counts.dtype),
-            **trees.fields(),
-            **moments,
+            **changed,
         )
 
     def _piece_statistics(
