@@ -5,7 +5,7 @@ retrieval attention and its quality measures."""
 from .bands import BandedIndex
 from .candidates import CandidateSet, build_candidates, query_positions, window_candidates
 from .causal import causal_tail_attention
-from .clusters import KeyClusters
+from .clusters import ClusterHeads, KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
 from .growth import appended
 from .lsh import BoundaryProjectionHash, CompositeLSH, GridHash, SimHash
@@ -25,13 +25,15 @@ from .retrieval import (
     index_to_bytes,
     retrieval_attention,
     retrieval_candidates,
+    window_and_sinks,
 )
-from .tail import estimate_clusters, tail_attention
+from .tail import estimate_clusters, tail_attention, tail_attention_heads
 
 __all__ = [
     "BandedIndex",
     "BoundaryProjectionHash",
     "CandidateSet",
+    "ClusterHeads",
     "CompositeLSH",
     "GeometryIndex",
     "GridHash",
@@ -58,6 +60,8 @@ __all__ = [
     "retrieval_candidates",
     "summary",
     "tail_attention",
+    "tail_attention_heads",
     "topk_recall",
+    "window_and_sinks",
     "window_candidates",
 ]

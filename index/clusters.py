@@ -445,6 +445,91 @@ class KeyClusters:
         return cls(geometry=geometry, **tensors)
 
 
+@dataclass
+class ClusterHeads:
+    """The clusters of several heads of one context (one `KeyClusters` each, one geometry), with
+    the statistics the estimate reads stacked along a leading head axis, so that tail attention
+    estimates and selects the clusters of every head in one pass
+    (`rewa.index.tail.tail_attention_heads`).
+
+    Heads with fewer clusters than the most are padded with empty clusters (count 0, every
+    statistic 0): their estimate is `-inf` and no query selects them. One head's are views of
+    its tensors, no copy; several heads' are copies (`nbytes`), which `stacked` makes once per
+    version of the clusters."""
+
+    heads: list[KeyClusters]
+    counts: torch.Tensor  # (H, C)
+    mean: torch.Tensor  # (H, C, D)
+    factor_by_rank: torch.Tensor  # (H, D, r, C): the factors F_c, rank-major, as the estimate reads
+    residual: torch.Tensor  # (H, C, D)
+    radius: torch.Tensor  # (H, C, P)
+    value_mean: torch.Tensor  # (H, C, dv)
+    exact_read: torch.Tensor  # (H, C) bool
+
+    # Not the value cross-covariances, most of the statistics' memory: the value shift reads
+    # them per head from `heads`.
+    STACKED = ("counts", "mean", "residual", "radius", "value_mean")
+
+    @classmethod
+    def stacked(cls, heads: list[KeyClusters]) -> ClusterHeads:
+        if not heads:
+            raise ValueError("expected the clusters of at least one head")
+        geometry, n_keys = heads[0].geometry, heads[0].n_keys
+        if any(clusters.geometry is not geometry for clusters in heads[1:]):
+            raise ValueError("the heads' clusters must share one geometry object")
+        if any(clusters.n_keys != n_keys for clusters in heads[1:]):
+            sizes = [clusters.n_keys for clusters in heads]
+            raise ValueError(f"the heads' clusters hold {sizes} keys, not one number of keys")
+        if len(heads) == 1:
+            (clusters,) = heads
+            stats = {name: getattr(clusters, name).unsqueeze(0) for name in cls.STACKED}
+            factor = clusters.factor.permute(1, 2, 0).unsqueeze(0)
+            return cls(heads, **stats, factor_by_rank=factor, exact_read=clusters.exact_read[None])
+        width = max(clusters.n_clusters for clusters in heads)
+        stats = {}
+        for name in (*cls.STACKED, "factor"):
+            parts = [getattr(clusters, name) for clusters in heads]
+            stack = parts[0].new_zeros(len(heads), width, *parts[0].shape[1:])
+            for head, part in enumerate(parts):
+                stack[head, : part.shape[0]] = part
+            stats[name] = stack
+        factor = stats.pop("factor").permute(0, 2, 3, 1).contiguous()
+        exact_read = torch.zeros(len(heads), width, dtype=torch.bool, device=stats["mean"].device)
+        for head, clusters in enumerate(heads):
+            exact_read[head, : clusters.n_clusters] = clusters.exact_read
+        return cls(heads, **stats, factor_by_rank=factor, exact_read=exact_read)
+
+    @property
+    def geometry(self) -> Geometry:
+        return self.heads[0].geometry
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.heads)
+
+    @property
+    def n_clusters(self) -> int:
+        """Clusters per head, the padding included."""
+        return self.counts.shape[1]
+
+    @property
+    def rank(self) -> int:
+        return self.factor_by_rank.shape[2]
+
+    @property
+    def head_clusters(self) -> list[int]:
+        """Each head's clusters, without the padding."""
+        return [clusters.n_clusters for clusters in self.heads]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory of the stacked statistics (0 for one head: views)."""
+        if len(self.heads) == 1:
+            return 0
+        stacked = [getattr(self, name) for name in (*self.STACKED, "factor_by_rank", "exact_read")]
+        return sum(tensor.nbytes for tensor in stacked)
+
+
 def kmeans(
     points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
 ) -> torch.Tensor:

@@ -4,10 +4,11 @@ returns `(out, lse)` over every token appended so far, `close()` frees it. A pip
 process-local or the shared remote memory by which one it constructs (docs/llm.md).
 
 It computes what the service's engine computes for a context of the same geometry and mode (the
-same `retrieval_attention` calls, the same defaults), without the store, the HTTP request or the
-device queue: keys and values live in buffers with spare capacity, and the index of the mode
-(clusters for `tail`, the search index for `topk`) is built at the first attend and extended by
-later appends (`KeyClusters.extend`, `LiftIndex.extend`; docs/indexes.md, "Appends").
+same `tail_attention_heads` and `retrieval_attention` calls, the same defaults), without the
+store, the HTTP request or the device queue: keys and values live in buffers with spare
+capacity, and the index of the mode (clusters for `tail`, the search index for `topk`) is built
+at the first attend and extended by later appends (`KeyClusters.extend`, `LiftIndex.extend`;
+docs/indexes.md, "Appends").
 
 With `max_unindexed = u > 0`, up to u tokens appended after the index was last built or
 extended stay outside it and every query reads them exactly (merged with the index's answer,
@@ -23,9 +24,10 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
-from .clusters import KeyClusters
+from .clusters import ClusterHeads, KeyClusters
 from .growth import appended
 from .retrieval import build_index, retrieval_attention
+from .tail import tail_attention_heads
 
 MODES = ("tail", "topk", "exact")
 INITIAL_CAPACITY = 1024
@@ -84,6 +86,7 @@ class LocalMemory:
         )
         self._n_tokens = 0
         self._indexes: list | None = None  # per head: KeyClusters (tail) or a search index
+        self._cluster_heads: ClusterHeads | None = None  # tail: the heads' clusters, stacked
         self._indexed = 0  # tokens the indexes hold
 
     @property
@@ -139,8 +142,11 @@ class LocalMemory:
         if self.mode == "exact":
             return dense_attention(q, self.keys, self.values, self.geometry)
         indexes = self._current_indexes()
-        heads = [self._attend_head(q[head], head, indexes[head]) for head in range(self.heads)]
-        out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
+        if self.mode == "tail":
+            out, lse = tail_attention_heads(q, self._cluster_heads, budget=self.budget)
+        else:
+            heads = [self._topk_head(q[head], head, indexes[head]) for head in range(self.heads)]
+            out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
         if self._indexed < self._n_tokens:
             recent = slice(self._indexed, self._n_tokens)
             exact = dense_attention(
@@ -156,14 +162,10 @@ class LocalMemory:
         self._key_buffer = self._key_buffer[:, :0]
         self._value_buffer = self._value_buffer[:, :0]
         self._n_tokens = self._indexed = 0
-        self._indexes = None
+        self._indexes = self._cluster_heads = None
 
-    def _attend_head(self, q, head, index):
+    def _topk_head(self, q, head, index):
         k, v = self._key_buffer[head, : self._indexed], self._value_buffer[head, : self._indexed]
-        if self.mode == "tail":
-            return retrieval_attention(
-                q, k, v, self.geometry, index=index, tail=True, budget=self.budget
-            )
         return retrieval_attention(q, k, v, self.geometry, top_k=self.k, index=index)
 
     def _current_indexes(self) -> list:
@@ -193,6 +195,8 @@ class LocalMemory:
         else:
             for h, index in enumerate(self._indexes):
                 index.extend(witness(self.keys[h]))
+        if self.mode == "tail":
+            self._cluster_heads = ClusterHeads.stacked(self._indexes)
         self._indexed = self._n_tokens
         return self._indexes
 

@@ -242,11 +242,16 @@ def _cluster_attention(
             clusters = KeyClusters.build(geometry.witness(k), v, geometry)
     elif clusters.n_keys != k.shape[0]:
         raise ValueError(f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given")
-    n_keys = k.shape[0]
-    always = torch.cat(
+    always = window_and_sinks(k.shape[0], window, sinks, k.device)
+    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)
+
+
+def window_and_sinks(n_keys: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:
+    """The ids of the first `sinks` and the last `window` of `n_keys` keys (tail attention's
+    `always`: read exactly by every query)."""
+    return torch.cat(
         [
-            torch.arange(min(sinks, n_keys), device=k.device),
-            torch.arange(max(n_keys - window, 0), n_keys, device=k.device),
+            torch.arange(min(sinks, n_keys), device=device),
+            torch.arange(max(n_keys - window, 0), n_keys, device=device),
         ]
     )
-    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)

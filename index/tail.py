@@ -59,7 +59,7 @@ from rewa.attention import DotProduct, Geometry, merge_attention
 from rewa.attention.allocator import retain_freed_memory
 from rewa.attention.sparse import softmax_attend
 
-from .clusters import KeyClusters, query_features
+from .clusters import ClusterHeads, KeyClusters, query_features
 
 HERMITE_NODES = 3
 KEY_BLOCK = 128  # keys per block of the exact part
@@ -80,14 +80,14 @@ def _hermite(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, to
 
 @dataclass
 class ClusterEstimate:
-    """A query block's estimates of every cluster (module docstring).
+    """A query block's estimates of every cluster (module docstring), `(nq, nc)` for one head's
+    clusters or `(H, nq, C)` for `ClusterHeads`:
 
-    - `log_mass` `(nq, nc)`: the estimated `log sum_{j in c} exp(logit_j)`, `-inf` for empty
-      clusters;
-    - `floor` `(nq, nc)`: the same at zero variance, `log n_c + phi(s_bar)` (for the dot product
-      a lower bound, by Jensen's inequality); `calibrated` moves the estimate towards it;
-    - `shift_terms`: per lift, the slope g `(nq, nc)` and the query features `a_i` `(nq, D_i)`;
-      the cluster's softmax-weighted value is estimated as
+    - `log_mass`: the estimated `log sum_{j in c} exp(logit_j)`, `-inf` for empty clusters;
+    - `floor`: the same at zero variance, `log n_c + phi(s_bar)` (for the dot product a lower
+      bound, by Jensen's inequality); `calibrated` moves the estimate towards it;
+    - `shift_terms`: per lift, the slope g (the shape of `log_mass`) and the query features
+      `a_i` (`(..., nq, D_i)`); the cluster's softmax-weighted value is estimated as
       `value_mean_c + sum_i g_i Cov_c(b_i, v)^T a_i`.
     """
 
@@ -95,32 +95,59 @@ class ClusterEstimate:
     floor: torch.Tensor
     shift_terms: list[tuple[torch.Tensor, torch.Tensor]]
 
+    def head(self, head: int) -> ClusterEstimate:
+        """One head's estimates of stacked ones."""
+        terms = [(slope[head], a[head]) for slope, a in self.shift_terms]
+        return ClusterEstimate(self.log_mass[head], self.floor[head], terms)
+
+    def rows(self) -> ClusterEstimate:
+        """Stacked estimates with the heads' queries as rows, `(H * nq, C)` (views)."""
+        terms = [(slope.flatten(0, 1), a.flatten(0, 1)) for slope, a in self.shift_terms]
+        return ClusterEstimate(self.log_mass.flatten(0, 1), self.floor.flatten(0, 1), terms)
+
 
 def estimate_clusters(
-    queries_w: torch.Tensor, clusters: KeyClusters, counts: torch.Tensor | None = None
+    queries_w: torch.Tensor,
+    clusters: KeyClusters | ClusterHeads,
+    counts: torch.Tensor | None = None,
 ) -> ClusterEstimate:
-    """The estimates of every cluster for query witnesses `(nq, d_w)` (`ClusterEstimate`).
-    `counts` overrides the cluster sizes (e.g. with keys read elsewhere removed)."""
-    geometry = clusters.geometry
+    """The estimates of every cluster (`ClusterEstimate`) for query witnesses `(nq, d_w)` of one
+    head's `KeyClusters`, or `(H, nq, d_w)` of `ClusterHeads` (head h's queries estimate head
+    h's clusters). `counts` (`(nc,)`, or `(H, C)`) overrides the cluster sizes (e.g. with keys
+    read elsewhere removed)."""
+    if isinstance(clusters, KeyClusters):
+        if counts is not None:
+            counts = counts.unsqueeze(0)
+        heads = ClusterHeads.stacked([clusters])
+        return _estimate_heads(queries_w.unsqueeze(0), heads, counts).head(0)
+    return _estimate_heads(queries_w, clusters, counts)
+
+
+def _estimate_heads(
+    queries_w: torch.Tensor, heads: ClusterHeads, counts: torch.Tensor | None
+) -> ClusterEstimate:
+    """`estimate_clusters` of stacked heads: batched matrix products over the head axis."""
+    geometry = heads.geometry
     features = query_features(geometry.lift(queries_w, "query"))
-    counts = clusters.counts if counts is None else counts
-    log_counts = torch.where(counts > 0, counts.clamp_min(1).log(), float("-inf"))
-    n_queries, (n_clusters, _, rank) = queries_w.shape[0], clusters.factor.shape
+    counts = heads.counts if counts is None else counts
+    log_counts = torch.where(counts > 0, counts.clamp_min(1).log(), float("-inf")).unsqueeze(1)
+    n_heads, n_queries = queries_w.shape[:2]
+    n_clusters, rank = heads.n_clusters, heads.rank
     projections, moments = [], []
     for i, block in enumerate(features.slices):
-        a = features.a[:, block]
-        mean = torch.addmm(features.c[:, i : i + 1], a, clusters.mean[:, block].T)
-        # F_c^T a for every cluster in one matrix product: (nq, D) @ (D, r * nc), rank-major
-        # (summing over the rank is then a reduction over a middle dimension of length r, not
-        # over a last dimension of length r: 2-3x faster on the CPU at r = 4).
-        factor = clusters.factor[:, block].permute(1, 2, 0).reshape(a.shape[-1], -1)
-        projection = (a @ factor).view(n_queries, rank, n_clusters)
-        # One in-place pass per rank, not square() and sum(1) over the whole projection: 2.5x
+        a = features.a[..., block]
+        mean = torch.baddbmm(features.c[..., i : i + 1], a, heads.mean[..., block].transpose(1, 2))
+        # F_c^T a for every cluster in one matrix product: (nq, D) @ (D, r * nc) per head,
+        # rank-major (summing over the rank is then a reduction over a middle dimension of
+        # length r, not over a last dimension of length r: 2-3x faster on the CPU at r = 4).
+        factor = heads.factor_by_rank[:, block].reshape(n_heads, a.shape[-1], -1)
+        projection = (a @ factor).view(n_heads, n_queries, rank, n_clusters)
+        # One in-place pass per rank, not square() and sum over the whole projection: 2.5x
         # faster at (1024, 4, 257).
-        variance = a.square() @ clusters.residual[:, block].T
+        variance = a.square() @ heads.residual[..., block].transpose(1, 2)
         for r in range(rank):
-            variance.addcmul_(projection[:, r], projection[:, r])
-        half_width = a.norm(dim=-1, keepdim=True) * clusters.radius[:, i]
+            variance.addcmul_(projection[:, :, r], projection[:, :, r])
+        half_width = a.norm(dim=-1, keepdim=True) * heads.radius[:, None, :, i]
         projections.append(projection)
         moments.append((mean, variance, half_width))
     if isinstance(geometry, DotProduct):
@@ -139,10 +166,10 @@ def estimate_clusters(
         total = total.add_(log_mass)
     for i in range(len(slopes)):
         for j in range(i + 1, len(slopes)):
-            covariance = (projections[i] * projections[j]).sum(1)
+            covariance = (projections[i] * projections[j]).sum(2)
             total = total + slopes[i] * slopes[j] * covariance
     floor = log_counts + sum(floors)
-    blocks = [features.a[:, block] for block in features.slices]
+    blocks = [features.a[..., block] for block in features.slices]
     return ClusterEstimate(total, floor, list(zip(slopes, blocks, strict=True)))
 
 
@@ -169,13 +196,13 @@ def _hermite_estimate(
             torch.minimum(offsets, half_width[..., None]), -half_width[..., None]
         )
         similarities.append((mean.unsqueeze(-1) + offsets, offsets))
-    n_queries, n_clusters = moments[0][0].shape
+    shape = moments[0][0].shape  # (..., nq, nc)
     terms = geometry.similarity_logits(
-        queries_w, [s.reshape(n_queries, -1) for s, _ in similarities]
+        queries_w, [s.reshape(*shape[:-1], -1) for s, _ in similarities]
     )
     log_masses, tilts = [], []
     for term, (_, offsets) in zip(terms, similarities, strict=True):
-        weighted = term.reshape(n_queries, n_clusters, -1) + log_weights
+        weighted = term.reshape(*shape, -1) + log_weights
         log_mass = torch.logsumexp(weighted, dim=-1)
         # The softmax over the nodes, from the log-mass (torch.softmax is slow on a last
         # dimension of 3).
@@ -194,27 +221,37 @@ def select_clusters(
     """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
     by estimate, in descending order, each taken if its keys still fit in `budget_keys`. The
     clusters flagged `exact_read` come right after each query's most massive cluster, whatever
-    their estimate: read by every query whose budget holds them besides that cluster."""
+    their estimate: read by every query whose budget holds them besides that cluster.
+
+    `log_mass` is `(nq, nc)`; `counts` and `exact_read` are `(nc,)`, the same for every query,
+    or `(nq, nc)`, a row per query (the stacked heads of `tail_attention_heads`)."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
-    n_queries = log_mass.shape[0]
-    forced = None if exact_read is None else exact_read.nonzero().squeeze(-1)
-    if forced is not None and len(forced) == 0:
-        forced = None
+    n_rows = log_mass.shape[0]
+    forced = None
     ordinary_counts = counts
-    if forced is not None:
-        log_mass = log_mass.index_fill(-1, forced, float("-inf"))
-        ordinary_counts = counts.index_fill(0, forced, 0)
+    if exact_read is not None and exact_read.any():
+        log_mass = log_mass.masked_fill(exact_read, float("-inf"))
+        ordinary_counts = counts.masked_fill(exact_read, 0)
+        if exact_read.dim() == 1:
+            forced = exact_read.nonzero().squeeze(-1).expand(n_rows, -1)
+            forced_sizes = counts[forced]
+        else:
+            # Each row's flagged clusters, in ascending order; rows with fewer are padded with
+            # unflagged clusters of size 0 (never taken).
+            n_forced = int(exact_read.sum(-1).max())
+            forced = (~exact_read).to(torch.uint8).argsort(dim=-1, stable=True)[:, :n_forced]
+            forced_sizes = counts.gather(1, forced) * exact_read.gather(1, forced)
     # The greedy walk looks at the most massive clusters only: twice as many as the budget
     # holds at the average cluster size, plus a few.
     average = float(ordinary_counts.sum()) / max(int((ordinary_counts > 0).sum()), 1)
     width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
     best = _most_massive(log_mass, width)
-    sizes = ordinary_counts[best]
+    sizes = ordinary_counts[best] if ordinary_counts.dim() == 1 else ordinary_counts.gather(1, best)
     if forced is not None:
-        best = torch.cat([best[:, :1], forced.expand(n_queries, -1), best[:, 1:]], dim=1)
-        sizes = torch.cat([sizes[:, :1], counts[forced].expand(n_queries, -1), sizes[:, 1:]], dim=1)
+        best = torch.cat([best[:, :1], forced, best[:, 1:]], dim=1)
+        sizes = torch.cat([sizes[:, :1], forced_sizes, sizes[:, 1:]], dim=1)
     if sizes.device.type == "cpu":
         # The walk is `width` steps of a few small operations each: numpy's cost 1-2 us less
         # per operation than PyTorch's.
@@ -295,7 +332,9 @@ def calibrated(
         alpha = torch.where(value > target, alpha + step, alpha).clamp(0, 1)
     # Where nothing was read the target is -inf (no pairs, no step).
     alpha = torch.where(torch.isfinite(target), alpha, torch.zeros_like(alpha))
-    return torch.lerp(log_mass, floor, alpha.unsqueeze(-1))
+    # Empty clusters (the padding of stacked heads) stay at -inf: their lerp of two -inf is NaN.
+    inf = float("inf")
+    return torch.lerp(log_mass, floor, alpha.unsqueeze(-1)).nan_to_num_(-inf, inf, -inf)
 
 
 def _pairs_logsumexp(
@@ -331,93 +370,208 @@ def tail_attention(
 
     `report`, if a dict, receives `keys_read` `(nq,)`: keys read exactly per query.
     Gradients reach the queries (the clustered keys and statistics are constants).
+    `tail_attention_heads` does the same for several heads at once.
     """
     if q.dim() != 2 or q.shape[-1] != clusters.geometry.dim:
         raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
+    heads = ClusterHeads.stacked([clusters])
+    out, lse = tail_attention_heads(
+        q.unsqueeze(0),
+        heads,
+        budget=budget,
+        tail=tail,
+        always=always,
+        query_block=query_block,
+        report=report,
+    )
+    if report is not None:
+        report["keys_read"] = report["keys_read"][0]
+    return out[0], lse[0]
+
+
+def tail_attention_heads(
+    q: torch.Tensor,
+    heads: ClusterHeads,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+    report: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tail_attention` of the queries `(H, nq, d)` of H heads over those heads' clusters
+    (`ClusterHeads`; head h's queries read head h's keys): `(out (H, nq, dv), lse (H, nq))`.
+
+    The estimate, the selection, the calibration and the tail are computed for every head in
+    one pass (batched matrix products over the head axis, one selection over the heads'
+    queries), the exact part per head; a decode step (a few queries per head) costs a fixed
+    number of operations instead of that number per head. `always` (key ids) holds for every
+    head; `report["keys_read"]` is `(H, nq)`."""
+    geometry = heads.geometry
+    if q.dim() != 3 or q.shape[0] != heads.n_heads or q.shape[-1] != geometry.dim:
+        raise ValueError(
+            f"expected queries ({heads.n_heads}, nq, {geometry.dim}), got {tuple(q.shape)}"
+        )
     if not 0 <= budget <= 1:
         raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
     if q.device.type == "cpu":
         # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
         retain_freed_memory()
-    geometry = clusters.geometry
-    dtype = clusters.keys_w.dtype
-    qw = geometry.witness(q.to(dtype))
-    n_keys = clusters.n_keys
-    is_always = None  # or a flag per sorted position: read exactly outside the clusters
-    counts = clusters.counts
+    qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
+    n_heads, n_keys = heads.n_heads, heads.heads[0].n_keys
+    is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
+    counts = heads.counts
     if always is not None and always.numel() > 0:
         always = always.unique()
         if always.min() < 0 or always.max() >= n_keys:
             raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
-        position = torch.empty_like(clusters.order)
-        position[clusters.order] = torch.arange(n_keys, device=position.device)
-        positions = position[always]
-        is_always = torch.zeros(n_keys, dtype=torch.bool, device=qw.device)
-        is_always[positions] = True
-        # Those keys are read exactly, so the estimates of their clusters leave them out.
-        cluster = torch.searchsorted(clusters.offsets, positions, right=True) - 1
-        counts = counts - torch.bincount(cluster, minlength=clusters.n_clusters).to(counts.dtype)
-        always_keys, always_values = clusters.keys_w[positions], clusters.values[positions]
-    n_always = 0 if is_always is None else len(always)
+        counts, is_always, always_keys, always_values = _always_read(heads, always)
+    n_always = 0 if always is None else len(always)
     budget_keys = budget * n_keys - n_always
+    exact_read = heads.exact_read
     outs, lses, reads = [], [], []
-    for start in range(0, qw.shape[0], query_block):
-        block = qw[start : start + query_block]
-        estimate = estimate_clusters(block, clusters, counts)
+    for start in range(0, qw.shape[1], query_block):
+        block = qw[:, start : start + query_block]
+        n_queries = block.shape[1]
+        estimate = estimate_clusters(block, heads, counts)
+        rows = estimate.rows()
+        row_counts, row_exact = (_per_row(t, n_queries) for t in (counts, exact_read))
         pair_query, pair_cluster = select_clusters(
-            estimate.log_mass, counts, budget_keys, clusters.exact_read
+            rows.log_mass, row_counts, budget_keys, row_exact
         )
-        reference = _largest_logit_estimate(estimate.log_mass, counts, pair_query, pair_cluster)
+        pair_counts = row_counts.expand_as(rows.log_mass)[pair_query, pair_cluster]
+        reference = _largest_logit_estimate(rows.log_mass, pair_counts, pair_query, pair_cluster)
         # The clusters read by every query (outliers) apart: they calibrate nothing.
-        ordinary = ~clusters.exact_read[pair_cluster]
+        ordinary = ~row_exact.expand_as(rows.log_mass)[pair_query, pair_cluster]
         ordinary_query, ordinary_cluster = pair_query[ordinary], pair_cluster[ordinary]
-        visited = _visited_attention(
-            block, clusters, ordinary_query, ordinary_cluster, is_always, reference
+        visited = _visited_heads(
+            block, heads, ordinary_query, ordinary_cluster, is_always, reference
         )
         parts = [visited]
         if not ordinary.all():
             outlying = ~ordinary
             parts.append(
-                _visited_attention(
-                    block,
-                    clusters,
-                    pair_query[outlying],
-                    pair_cluster[outlying],
-                    is_always,
-                    reference,
+                _visited_heads(
+                    block, heads, pair_query[outlying], pair_cluster[outlying], is_always, reference
                 )
             )
         if n_always:
-            parts.append(softmax_attend(geometry.score(block, always_keys), always_values))
+            scores = geometry.score(block, always_keys)
+            parts.append(tuple(t.flatten(0, 1) for t in softmax_attend(scores, always_values)))
         if tail:
-            log_mass = calibrated(estimate, ordinary_query, ordinary_cluster, visited[1].detach())
+            log_mass = calibrated(rows, ordinary_query, ordinary_cluster, visited[1].detach())
             unvisited = log_mass.index_put(
                 (pair_query, pair_cluster), log_mass.new_tensor(-math.inf)
             )
             read_lse = torch.stack([lse for _, lse in parts]).logsumexp(0).detach()
-            parts.append(_tail_estimate(clusters, unvisited, estimate.shift_terms, read_lse))
+            parts.append(
+                _tail_estimate(
+                    heads,
+                    unvisited.view(estimate.log_mass.shape),
+                    estimate.shift_terms,
+                    read_lse.view(n_heads, n_queries),
+                )
+            )
         out, lse = merge_attention(*parts)
-        outs.append(out)
-        lses.append(lse)
-        read = counts.new_zeros(block.shape[0]).index_add_(0, pair_query, counts[pair_cluster])
-        reads.append(read + n_always)
+        outs.append(out.view(n_heads, n_queries, -1))
+        lses.append(lse.view(n_heads, n_queries))
+        read = pair_counts.new_zeros(n_heads * n_queries).index_add_(0, pair_query, pair_counts)
+        reads.append(read.view(n_heads, n_queries) + n_always)
     if report is not None:
-        report["keys_read"] = torch.cat(reads)
-    return geometry.output_map(torch.cat(outs)), torch.cat(lses)
+        report["keys_read"] = torch.cat(reads, dim=1)
+    return geometry.output_map(torch.cat(outs, dim=1)), torch.cat(lses, dim=1)
+
+
+def _per_row(stacked: torch.Tensor, n_queries: int) -> torch.Tensor:
+    """A per-head `(H, C)` table as the rows of the heads' queries: `(C,)` for one head (the
+    same for every row), else `(H * nq, C)`."""
+    if stacked.shape[0] == 1:
+        return stacked[0]
+    return stacked.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
+
+
+def _always_read(heads: ClusterHeads, always: torch.Tensor):
+    """For key ids `always` (unique, in range) read exactly by every query of every head: the
+    cluster sizes without them `(H, C)`, per head a flag per sorted position, and their key
+    witnesses `(H, n, d_w)` and values `(H, n, dv)`."""
+    counts, flags, keys, values = heads.counts.clone(), [], [], []
+    for head, clusters in enumerate(heads.heads):
+        n_keys = clusters.n_keys
+        position = torch.empty_like(clusters.order)
+        position[clusters.order] = torch.arange(n_keys, device=position.device)
+        positions = position[always]
+        is_always = torch.zeros(n_keys, dtype=torch.bool, device=positions.device)
+        is_always[positions] = True
+        flags.append(is_always)
+        # Those keys are read exactly, so the estimates of their clusters leave them out.
+        cluster = torch.searchsorted(clusters.offsets, positions, right=True) - 1
+        removed = torch.bincount(cluster, minlength=clusters.n_clusters).to(counts.dtype)
+        counts[head, : clusters.n_clusters] -= removed
+        keys.append(clusters.keys_w[positions])
+        values.append(clusters.values[positions])
+    return counts, flags, torch.stack(keys), torch.stack(values)
 
 
 def _largest_logit_estimate(
     log_mass: torch.Tensor,
-    counts: torch.Tensor,
+    pair_counts: torch.Tensor,
     pair_query: torch.Tensor,
     pair_cluster: torch.Tensor,
 ) -> torch.Tensor:
     """Per query, the largest estimated log-mean-exp of the logits over its visited clusters
-    `(nq,)` (`-inf` where it visits none): a few nats below its largest logit, a common
-    reference for the exponentials of `_shared_reference_attention`."""
-    log_mean = log_mass[pair_query, pair_cluster] - counts[pair_cluster].log()
+    `(nq,)` (`-inf` where it visits none; `pair_counts` the visited clusters' sizes): a few
+    nats below its largest logit, a common reference for the exponentials of
+    `_shared_reference_attention`."""
+    log_mean = log_mass[pair_query, pair_cluster] - pair_counts.log()
     reference = log_mass.new_full((log_mass.shape[0],), float("-inf"))
     return reference.scatter_reduce(0, pair_query, log_mean, reduce="amax")
+
+
+def _visited_heads(
+    qw: torch.Tensor,
+    heads: ClusterHeads,
+    pair_query: torch.Tensor,
+    pair_cluster: torch.Tensor,
+    is_always: list[torch.Tensor | None],
+    reference: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_visited_attention` of the heads' queries `(H, nq, d_w)`, the pairs' queries numbered
+    as rows `head * nq + query` (ascending, as `select_clusters` gives them): `(out (H * nq,
+    dv), lse (H * nq,))`. On the CPU without autograd one loop covers the visited clusters of
+    every head (`_shared_reference_attention`); a head with a query whose sum over- or
+    underflowed, and every head elsewhere, goes through `_visited_attention` on its own."""
+    n_heads, n_queries = qw.shape[:2]
+    if n_heads == 1:
+        return _visited_attention(
+            qw[0], heads.heads[0], pair_query, pair_cluster, is_always[0], reference
+        )
+    shared = qw.device.type == "cpu" and not torch.is_grad_enabled() and pair_query.numel() > 0
+    if shared:
+        out, lse, failed = _shared_reference_attention(
+            qw.flatten(0, 1), heads.heads, pair_query, pair_cluster, is_always, reference
+        )
+        visiting = torch.zeros_like(failed).index_fill_(0, pair_query, True)
+        redo = (failed & visiting).view(n_heads, n_queries).any(1).nonzero().squeeze(-1).tolist()
+        if not redo:
+            return out, lse
+        out, lse = out.view(n_heads, n_queries, -1).clone(), lse.view(n_heads, n_queries).clone()
+    else:
+        out = qw.new_zeros(n_heads, n_queries, heads.heads[0].values.shape[-1])
+        lse = qw.new_full((n_heads, n_queries), float("-inf"))
+        redo = list(range(n_heads))
+    bounds = torch.arange(n_heads + 1, device=pair_query.device) * n_queries
+    ends = torch.searchsorted(pair_query, bounds).tolist()
+    for head in redo:
+        clusters, pairs = heads.heads[head], slice(ends[head], ends[head + 1])
+        out[head], lse[head] = _visited_attention(
+            qw[head],
+            clusters,
+            pair_query[pairs] - head * n_queries,
+            pair_cluster[pairs],
+            is_always[head],
+            reference[head * n_queries : (head + 1) * n_queries],
+        )
+    return out.flatten(0, 1), lse.flatten(0, 1)
 
 
 def _visited_attention(
@@ -453,7 +607,7 @@ def _visited_attention(
             n_queries, *_per_cluster_partials(qw, clusters, pair_query, pair_cluster, is_always)
         )
     out, lse, failed = _shared_reference_attention(
-        qw, clusters, pair_query, pair_cluster, is_always, reference
+        qw, [clusters], pair_query, pair_cluster, [is_always], reference
     )
     again = failed[pair_query]
     if again.any():
@@ -468,10 +622,10 @@ def _visited_attention(
 
 def _shared_reference_attention(
     qw: torch.Tensor,
-    clusters: KeyClusters,
+    heads: list[KeyClusters],
     pair_query: torch.Tensor,
     pair_cluster: torch.Tensor,
-    is_always: torch.Tensor | None,
+    is_always: list[torch.Tensor | None],
     reference: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(out, lse, failed)` per query, without autograd: every weight of query q is
@@ -483,31 +637,33 @@ def _shared_reference_attention(
     Exact as long as the reference is within the float range of the query's largest logit;
     `failed` flags the queries whose sum overflowed or came out too small to keep the
     precision of its largest term (below `tiny / eps`; queries that visit nothing have 0 and
-    are flagged too). On the 12 `text` heads (131072 keys, 1024 queries, budgets 0.5, 1,
-    2 %) the estimate's reference lay 0.6-5.9 nats below each query's largest visited logit
-    (float32 overflows 88 nats above it), and no query failed."""
-    rows, runs = _runs_by_cluster(clusters, pair_query, pair_cluster)
-    has_always = _clusters_with_always(clusters, is_always)
-    queries, score = _cluster_scorer(clusters.geometry, qw, rows)
+    are flagged too). Several heads' queries `qw` `(H * nq, d_w)` (rows `head * nq + query`)
+    go through one loop over all their visited clusters. How far the estimate's reference lies
+    from the largest visited logit, as measured: docs/library.md, "Cluster-tail attention"."""
+    geometry, n_rows = heads[0].geometry, qw.shape[0]
+    rows, runs = _runs_by_cluster(heads, n_rows // len(heads), pair_query, pair_cluster)
+    has_always = _clusters_with_always(heads, is_always)
+    queries, score = _cluster_scorer(geometry, qw, rows)
     bias = reference.neg()[rows].unsqueeze(-1)
-    weighted_values = clusters.values.new_empty(len(rows), clusters.values.shape[-1])
-    weight_sums = clusters.values.new_empty(len(rows))
-    if isinstance(clusters.geometry, DotProduct):
+    value_dim = heads[0].values.shape[-1]
+    weighted_values = heads[0].values.new_empty(len(rows), value_dim)
+    weight_sums = heads[0].values.new_empty(len(rows))
+    if isinstance(geometry, DotProduct):
         _dot_product_sums(
-            queries, clusters, runs, bias, is_always, has_always, weighted_values, weight_sums
+            queries, heads, runs, bias, is_always, has_always, weighted_values, weight_sums
         )
     else:
-        for cluster, part, keys in runs:
+        for head, cluster, part, keys in runs:
+            clusters = heads[head]
             weights = score(queries[part], clusters.keys_w[keys], bias[part])
-            if cluster in has_always:
-                weights = weights.masked_fill_(is_always[keys], float("-inf"))
+            if (head, cluster) in has_always:
+                weights = weights.masked_fill_(is_always[head][keys], float("-inf"))
             weights = weights.exp_()
             torch.mm(weights, clusters.values[keys], out=weighted_values[part])
             torch.sum(weights, dim=-1, out=weight_sums[part])
-    n_queries = qw.shape[0]
-    out = weighted_values.new_zeros(n_queries, weighted_values.shape[-1])
+    out = weighted_values.new_zeros(n_rows, value_dim)
     out = _rows_added(out, rows, weighted_values)
-    weight = weight_sums.new_zeros(n_queries).index_add_(0, rows, weight_sums)
+    weight = weight_sums.new_zeros(n_rows).index_add_(0, rows, weight_sums)
     finfo = torch.finfo(weight.dtype)
     # A sum of 0 is an underflow too, unless the query visited no key outside `is_always`
     # (the general path then finds that out, at the cost of redoing the query).
@@ -518,11 +674,11 @@ def _shared_reference_attention(
 
 def _dot_product_sums(
     queries: torch.Tensor,
-    clusters: KeyClusters,
-    runs: list[tuple[int, slice, slice]],
+    heads: list[KeyClusters],
+    runs: list[tuple[int, int, slice, slice]],
     bias: torch.Tensor,
-    is_always: torch.Tensor | None,
-    has_always: set[int],
+    is_always: list[torch.Tensor | None],
+    has_always: set[tuple[int, int]],
     weighted_values: torch.Tensor,
     weight_sums: torch.Tensor,
 ) -> None:
@@ -530,28 +686,34 @@ def _dot_product_sums(
     numpy on the tensors' memory: the loop runs four small operations per visited cluster, and
     a numpy call costs a few microseconds less than a PyTorch one (measured in
     docs/benchmark-notes.md, "Tail attention on sharp heads")."""
-    keys_w, values = clusters.keys_w.numpy(), clusters.values.numpy()
+    keys_w = [clusters.keys_w.numpy() for clusters in heads]
+    values = [clusters.values.numpy() for clusters in heads]
     queries, bias = queries.numpy(), bias.numpy()
     sums, totals = weighted_values.numpy(), weight_sums.numpy()
-    flagged = None if is_always is None else is_always.numpy()
+    flagged = [None if flags is None else flags.numpy() for flags in is_always]
     # Overflows are the caller's to detect (`failed`), as with PyTorch's silent infinities.
     with np.errstate(over="ignore", invalid="ignore"):
-        for cluster, part, keys in runs:
-            weights = np.matmul(queries[part], keys_w[keys].T)
+        for head, cluster, part, keys in runs:
+            weights = np.matmul(queries[part], keys_w[head][keys].T)
             weights += bias[part]
-            if cluster in has_always:
-                weights[:, flagged[keys]] = -np.inf
+            if (head, cluster) in has_always:
+                weights[:, flagged[head][keys]] = -np.inf
             np.exp(weights, out=weights)
-            np.matmul(weights, values[keys], out=sums[part])
+            np.matmul(weights, values[head][keys], out=sums[part])
             np.sum(weights, axis=1, out=totals[part])
 
 
-def _clusters_with_always(clusters: KeyClusters, is_always: torch.Tensor | None) -> set[int]:
-    """The clusters holding keys flagged `is_always`."""
-    if is_always is None:
-        return set()
-    flagged = is_always.nonzero().squeeze(-1)
-    return set((torch.searchsorted(clusters.offsets, flagged, right=True) - 1).tolist())
+def _clusters_with_always(
+    heads: list[KeyClusters], is_always: list[torch.Tensor | None]
+) -> set[tuple[int, int]]:
+    """The `(head, cluster)`s holding keys flagged `is_always`."""
+    found = set()
+    for head, (clusters, flags) in enumerate(zip(heads, is_always, strict=True)):
+        if flags is not None:
+            flagged = flags.nonzero().squeeze(-1)
+            cluster = torch.searchsorted(clusters.offsets, flagged, right=True) - 1
+            found.update((head, c) for c in cluster.tolist())
+    return found
 
 
 def _per_cluster_partials(
@@ -563,13 +725,13 @@ def _per_cluster_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One partial per pair: for each visited cluster, the scores of the queries visiting it
     against its keys (a slice of the sorted keys, no copy), softmax, values. Differentiable."""
-    rows, runs = _runs_by_cluster(clusters, pair_query, pair_cluster)
-    has_always = _clusters_with_always(clusters, is_always)
+    rows, runs = _runs_by_cluster([clusters], qw.shape[0], pair_query, pair_cluster)
+    has_always = _clusters_with_always([clusters], [is_always])
     queries, score = _cluster_scorer(clusters.geometry, qw, rows)
     outs, lses = [], []
-    for cluster, part, keys in runs:
+    for _, cluster, part, keys in runs:
         logits = score(queries[part], clusters.keys_w[keys])
-        if cluster in has_always:
+        if (0, cluster) in has_always:
             # Rows may have no key left: softmax_attend handles them.
             logits = logits.masked_fill(is_always[keys], float("-inf"))
             out, lse = softmax_attend(logits, clusters.values[keys])
@@ -581,19 +743,22 @@ def _per_cluster_partials(
 
 
 def _runs_by_cluster(
-    clusters: KeyClusters, pair_query: torch.Tensor, pair_cluster: torch.Tensor
-) -> tuple[torch.Tensor, list[tuple[int, slice, slice]]]:
-    """The pairs' queries sorted by cluster `rows`, and per visited cluster
-    `(cluster, part, keys)`: the slice of `rows` visiting it and its slice of the sorted keys."""
-    order = pair_cluster.argsort(stable=True)
-    rows, pair_cluster = pair_query[order], pair_cluster[order]
-    visited, visits = torch.unique_consecutive(pair_cluster, return_counts=True)
-    offsets = clusters.offsets.tolist()
+    heads: list[KeyClusters], n_queries: int, pair_query: torch.Tensor, pair_cluster: torch.Tensor
+) -> tuple[torch.Tensor, list[tuple[int, int, slice, slice]]]:
+    """The pairs' queries sorted by head and cluster `rows` (a pair's query is the row `head *
+    n_queries + query`), and per visited cluster `(head, cluster, part, keys)`: the slice of
+    `rows` visiting it and its slice of the head's sorted keys."""
+    width = max(clusters.n_clusters for clusters in heads)
+    visit = pair_cluster if len(heads) == 1 else pair_query // n_queries * width + pair_cluster
+    order = visit.argsort(stable=True)
+    rows, visit = pair_query[order], visit[order]
+    visited, visits = torch.unique_consecutive(visit, return_counts=True)
+    offsets = [clusters.offsets.tolist() for clusters in heads]
     runs, first = [], 0
-    for cluster, count in zip(visited.tolist(), visits.tolist(), strict=True):
-        runs.append(
-            (cluster, slice(first, first + count), slice(offsets[cluster], offsets[cluster + 1]))
-        )
+    for code, count in zip(visited.tolist(), visits.tolist(), strict=True):
+        head, cluster = divmod(code, width)
+        keys = slice(offsets[head][cluster], offsets[head][cluster + 1])
+        runs.append((head, cluster, slice(first, first + count), keys))
         first += count
     return rows, runs
 
@@ -730,43 +895,52 @@ def _starts(counts: torch.Tensor) -> torch.Tensor:
 
 
 def _tail_estimate(
-    clusters: KeyClusters,
+    heads: ClusterHeads,
     log_mass: torch.Tensor,
     shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
     read_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(out, lse)` of the clusters with finite `log_mass` from their estimates
-    (`estimate_clusters`). The value shift's matrix product, the largest of the estimate
-    (`(nq, nc) @ (nc, D dv)`), runs in `shift_dtype`, over the clusters whose weight is at
-    least `SHIFT_NEGLIGIBLE / nc` of some query's whole mass (these clusters' plus `read_lse`,
-    the log-mass of the keys it read exactly, if given): the ones left out hold at most that
-    fraction of any query's mass between them. Sharp queries (a decode step) leave out most
-    clusters, and the product reads each cluster's `D x dv` cross-covariance."""
+    """`(out (H * nq, dv), lse (H * nq,))` of the clusters with finite `log_mass` `(H, nq, C)`
+    from their estimates (`estimate_clusters`). The value shift's matrix product, the largest of
+    the estimate (`(nq, nc) @ (nc, D dv)` per head), runs in `shift_dtype`, over the clusters
+    whose weight is at least `SHIFT_NEGLIGIBLE / nc` of some query's whole mass (these
+    clusters' plus `read_lse` `(H, nq)`, the log-mass of the keys it read exactly, if given):
+    the ones left out hold at most that fraction of any query's mass between them. Sharp
+    queries (a decode step) leave out most clusters, and the product reads each cluster's
+    `D x dv` cross-covariance: per head, from its own `KeyClusters` (not stacked: the
+    cross-covariances are most of the statistics' memory)."""
     peak = log_mass.amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
     total = weights.sum(-1)
-    out = weights @ clusters.value_mean
-    n_queries, (n_clusters, _, value_dim) = weights.shape[0], clusters.value_cross.shape
+    out = weights @ heads.value_mean
+    n_queries = weights.shape[1]
     dtype = shift_dtype(weights.dtype, weights.device)
     whole = total if read_lse is None else total + (read_lse - peak.squeeze(-1)).exp()
-    floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / n_clusters)
-    kept = (weights >= floor).any(0).nonzero().squeeze(-1)
-    value_cross = clusters.value_cross
-    if len(kept) < n_clusters:
-        weights, value_cross = weights[:, kept], value_cross[kept]
-    start = 0
-    for slope, a in shift_terms if len(kept) else []:
-        if len(kept) < n_clusters:
-            slope = slope[:, kept]
-        # sum_c w_c g_c Cov_c(b, v) per query, then contracted with the query's features.
-        cross = value_cross[:, start : start + a.shape[-1]].reshape(len(value_cross), -1)
-        summed = (weights * slope).to(dtype) @ cross.to(dtype)
-        summed = summed.view(n_queries, a.shape[-1], value_dim).to(out.dtype)
-        out = out.add_((a.unsqueeze(1) @ summed).squeeze(1))
-        start += a.shape[-1]
+    head_clusters = weights.new_tensor(heads.head_clusters).view(-1, 1, 1)
+    floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / head_clusters)
+    kept = (weights >= floor).any(1)  # (H, C)
+    for head, clusters in enumerate(heads.heads):
+        columns = kept[head, : clusters.n_clusters].nonzero().squeeze(-1)
+        if len(columns) == 0:
+            continue
+        n_clusters = clusters.n_clusters
+        head_weights, value_cross = weights[head, :, :n_clusters], clusters.value_cross
+        slopes = [slope[head, :, :n_clusters] for slope, _ in shift_terms]
+        if len(columns) < n_clusters:
+            head_weights, value_cross = head_weights[:, columns], value_cross[columns]
+            slopes = [slope[:, columns] for slope in slopes]
+        start = 0
+        for slope, (_, a) in zip(slopes, shift_terms, strict=True):
+            a = a[head]
+            # sum_c w_c g_c Cov_c(b, v) per query, then contracted with the query's features.
+            cross = value_cross[:, start : start + a.shape[-1]].reshape(len(value_cross), -1)
+            summed = (head_weights * slope).to(dtype) @ cross.to(dtype)
+            summed = summed.view(n_queries, a.shape[-1], -1).to(out.dtype)
+            out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
+            start += a.shape[-1]
     out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
-    return out, peak.squeeze(-1) + total.log()
+    return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
 
 
 def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -32,6 +32,7 @@ from safetensors.torch import load as safetensors_load
 
 from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
 from rewa.index import (
+    ClusterHeads,
     KeyClusters,
     appended,
     build_index,
@@ -39,6 +40,8 @@ from rewa.index import (
     index_from_bytes,
     index_to_bytes,
     retrieval_attention,
+    tail_attention_heads,
+    window_and_sinks,
 )
 
 from .store import ContextStore, stored_heads
@@ -126,6 +129,7 @@ class LoadedContext:
     keys: torch.Tensor  # (H, N, d) float32
     values: torch.Tensor  # (H, N, dv) float32
     clusters: list[KeyClusters] | None = None
+    cluster_heads: ClusterHeads | None = None  # `clusters` stacked (`Engine.cluster_heads`)
     search_indexes: dict[str, list] = field(default_factory=dict)
     nbytes: int = 0
     # `keys` and `values` are the first n_tokens of these (spare capacity for appends).
@@ -359,6 +363,14 @@ class Engine:
         loaded.nbytes += sum(c.nbytes for c in built)
         return built
 
+    def cluster_heads(self, loaded: LoadedContext) -> ClusterHeads:
+        """The heads' `KeyClusters` (`clusters`) stacked for `tail_attention_heads`, once per
+        version."""
+        if loaded.cluster_heads is None:
+            loaded.cluster_heads = ClusterHeads.stacked(self.clusters(loaded))
+            loaded.nbytes += loaded.cluster_heads.nbytes
+        return loaded.cluster_heads
+
     def search_index(self, loaded: LoadedContext) -> list:
         """Per-head search indexes of the context's kind, built once per version (or loaded
         from the store, where another replica put them)."""
@@ -437,19 +449,26 @@ class Engine:
             # speeds up far less than it costs the other work of the process
             # (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on
             # one thread, 135 on two).
-            if params.mode == "tail":
-                # Causal tail clusters the keys before each segment of queries itself.
-                indexes = [None] * q.shape[0] if causal else self.clusters(loaded)
+            if params.mode == "tail" and not causal:
+                # Every head in one call (a decode step costs one head's operations).
+                heads = self.cluster_heads(loaded)
+                always = window_and_sinks(loaded.n_tokens, params.window, params.sinks, q.device)
+                with intra_op_threads(self.sparse_threads):
+                    out, lse = tail_attention_heads(q, heads, budget=params.budget, always=always)
             else:
-                indexes = self.search_index(loaded)
-            with intra_op_threads(self.sparse_threads):
-                heads = [
-                    self._sparse_head(
-                        loaded, q[head], head, indexes[head], params, positions, causal
-                    )
-                    for head in range(q.shape[0])
-                ]
-            out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
+                # Causal tail clusters the keys before each segment of queries itself.
+                if params.mode == "tail":
+                    indexes = [None] * q.shape[0]
+                else:
+                    indexes = self.search_index(loaded)
+                with intra_op_threads(self.sparse_threads):
+                    heads = [
+                        self._sparse_head(
+                            loaded, q[head], head, indexes[head], params, positions, causal
+                        )
+                        for head in range(q.shape[0])
+                    ]
+                out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
         result = {"out": out, "lse": lse}
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
@@ -467,8 +486,8 @@ class Engine:
         return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
 
     def _sparse_head(self, loaded, q, head, index, params, positions, causal):
-        """One head's tail (`index`: its `KeyClusters`, None for causal tail) or topk (its
-        search index) attention."""
+        """One head's causal tail (`index` None: the keys before each segment of queries are
+        clustered per call) or topk (`index`: its search index) attention."""
         k, v = loaded.keys[head], loaded.values[head]
         if params.mode == "tail":
             return retrieval_attention(
@@ -476,7 +495,7 @@ class Engine:
                 k,
                 v,
                 loaded.geometry,
-                index="clusters" if index is None else index,
+                index="clusters",
                 tail=True,
                 budget=params.budget,
                 window=params.window,

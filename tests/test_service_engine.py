@@ -104,6 +104,9 @@ def test_sparse_attention_runs_on_sparse_threads_and_builds_indexes_on_all(monke
         return wrapped
 
     monkeypatch.setattr(engine_module, "retrieval_attention", spy("attention", retrieval_attention))
+    monkeypatch.setattr(
+        engine_module, "tail_attention_heads", spy("attention", engine_module.tail_attention_heads)
+    )
     monkeypatch.setattr(KeyClusters, "build", spy("clusters", KeyClusters.build))
     monkeypatch.setattr(engine_module, "build_index", spy("index", engine_module.build_index))
     reference = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
@@ -115,7 +118,8 @@ def test_sparse_attention_runs_on_sparse_threads_and_builds_indexes_on_all(monke
     with intra_op_threads(before):
         result = engine.attend(engine.context("ns", record), queries, params)
         assert torch.get_num_threads() == before
-    assert seen["attention"] == [1] * H
+    # Tail attention takes every head in one call, top-K one head per call.
+    assert seen["attention"] == [1] * (1 if mode == "tail" else H)
     built = seen["clusters"] if mode == "tail" else seen["index"]
     assert built == [before] * H
     torch.testing.assert_close(result["out"], expected["out"])

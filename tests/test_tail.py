@@ -379,7 +379,7 @@ def test_a_reference_too_far_from_the_logits_falls_back_to_the_general_path(name
         )
         reference = expected[1].nan_to_num(neginf=0.0) + offset
         _, _, failed = _shared_reference_attention(
-            qw, clusters, pair_query, pair_cluster, is_always, reference
+            qw, [clusters], pair_query, pair_cluster, [is_always], reference
         )
         out, lse = _visited_attention(qw, clusters, pair_query, pair_cluster, is_always, reference)
     visits_keys = torch.isfinite(expected[1])

@@ -1,0 +1,186 @@
+"""Tail attention of several heads in one call (`tail_attention_heads` over `ClusterHeads`): the
+same answers as one call per head, for heads with different numbers of clusters, with and
+without keys read by every query, and through the fallback of a head whose shared reference
+overflows; the stacked selection; and the errors of bad stacks."""
+
+import pytest
+import torch
+
+from rewa.attention import make_geometry
+from rewa.index import ClusterHeads, KeyClusters, LocalMemory, tail_attention, tail_attention_heads
+from rewa.index import tail as tail_module
+from rewa.index.tail import select_clusters
+from tests.support import build_geometry
+
+HEADS, N_KEYS, DIM, VALUE_DIM = 3, 1500, 8, 5
+
+
+def _heads(geometry, dtype=torch.float64, seed=0):
+    """Keys of `HEADS` heads around their own centres, clustered into pieces of different
+    sizes per head (so the heads have different numbers of clusters), and queries near them."""
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(HEADS, 12, DIM, generator=generator, dtype=dtype)
+    labels = torch.randint(12, (HEADS, N_KEYS), generator=generator)
+    keys = centres.gather(1, labels.unsqueeze(-1).expand(-1, -1, DIM))
+    keys = keys + 0.3 * torch.randn(keys.shape, generator=generator, dtype=dtype)
+    values = torch.randn(HEADS, N_KEYS, VALUE_DIM, generator=generator, dtype=dtype)
+    q_labels = torch.randint(12, (HEADS, 7), generator=generator)
+    queries = centres.gather(1, q_labels.unsqueeze(-1).expand(-1, -1, DIM))
+    queries = 1.5 * queries + 0.3 * torch.randn(queries.shape, generator=generator, dtype=dtype)
+    with torch.no_grad():
+        clusters = [
+            KeyClusters.build(
+                geometry.witness(keys[h]), values[h], geometry, max_cluster_keys=40 + 35 * h
+            )
+            for h in range(HEADS)
+        ]
+    return queries, keys, values, clusters
+
+
+@pytest.mark.parametrize("name", ["dot", "sphere", "poincare", "product"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"tail": False}, {"always": torch.cat([torch.arange(3), torch.arange(1450, 1500)])}],
+    ids=["tail", "exact-only", "window-and-sinks"],
+)
+def test_heads_in_one_call_equal_one_call_per_head(name, options):
+    geometry = build_geometry(name, DIM)
+    queries, _, _, clusters = _heads(geometry)
+    assert len({c.n_clusters for c in clusters}) == HEADS  # padding is exercised
+    with torch.no_grad():
+        per_head, reports = [], []
+        for h in range(HEADS):
+            report = {}
+            per_head.append(
+                tail_attention(queries[h], clusters[h], budget=0.05, report=report, **options)
+            )
+            reports.append(report["keys_read"])
+        report = {}
+        out, lse = tail_attention_heads(
+            queries, ClusterHeads.stacked(clusters), budget=0.05, report=report, **options
+        )
+    assert out.shape == (HEADS, 7, VALUE_DIM) and lse.shape == (HEADS, 7)
+    for h in range(HEADS):
+        torch.testing.assert_close(out[h], per_head[h][0], rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(lse[h], per_head[h][1], rtol=1e-9, atol=1e-9)
+    assert torch.equal(report["keys_read"], torch.stack(reports))
+    assert (report["keys_read"] > 0).all()
+
+
+def test_a_head_whose_reference_overflows_is_redone_alone(monkeypatch):
+    """The shared-reference loop covers every head; a head with a query whose sums overflow
+    (its reference pushed 800 nats below its logits) goes through the general path alone and
+    still gives the exact answer, the other heads keep theirs."""
+    geometry = make_geometry("dot", DIM).double()
+    queries, _, _, clusters = _heads(geometry)
+    heads = ClusterHeads.stacked(clusters)
+    with torch.no_grad():
+        expected = tail_attention_heads(queries, heads, budget=0.05)
+        redone = []
+        original_reference = tail_module._largest_logit_estimate
+        original_visited = tail_module._visited_attention
+
+        def far_reference(*args):
+            reference = original_reference(*args).clone()
+            reference[7:14] -= 800.0  # head 1's queries: exp overflows float64
+            return reference
+
+        def visited(*args, **kwargs):
+            redone.append(args[1])
+            return original_visited(*args, **kwargs)
+
+        monkeypatch.setattr(tail_module, "_largest_logit_estimate", far_reference)
+        monkeypatch.setattr(tail_module, "_visited_attention", visited)
+        out, lse = tail_attention_heads(queries, heads, budget=0.05)
+    assert redone and all(clusters_redone is clusters[1] for clusters_redone in redone)
+    torch.testing.assert_close(out, expected[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, expected[1], rtol=1e-9, atol=1e-9)
+
+
+def test_stacked_selection_equals_the_selection_of_each_head():
+    geometry = make_geometry("dot", DIM).double()
+    queries, _, _, clusters = _heads(geometry)
+    heads = ClusterHeads.stacked(clusters)
+    # Flag a different number of clusters per head as read by every query.
+    exact_read = heads.exact_read.clone()
+    exact_read[0, :2] = True
+    exact_read[2, 5] = True
+    with torch.no_grad():
+        estimate = tail_module.estimate_clusters(geometry.witness(queries), heads)
+    rows = estimate.rows()
+    n_queries = queries.shape[1]
+    counts = heads.counts.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
+    flags = exact_read.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
+    pair_row, pair_cluster = select_clusters(rows.log_mass, counts, 60, flags)
+    for h, head_clusters in enumerate(clusters):
+        n = head_clusters.n_clusters
+        expected = select_clusters(
+            estimate.log_mass[h, :, :n], heads.counts[h, :n], 60, exact_read[h, :n]
+        )
+        mine = (pair_row // n_queries) == h
+        assert torch.equal(pair_row[mine] - h * n_queries, expected[0])
+        assert torch.equal(pair_cluster[mine], expected[1])
+        assert (pair_cluster[mine] < n).all()  # padding is never selected
+        assert exact_read[h, pair_cluster[mine]].sum() >= int(exact_read[h].sum())
+
+
+def test_stacking_pads_with_empty_clusters_and_one_head_is_views():
+    geometry = make_geometry("dot", DIM).double()
+    _, _, _, clusters = _heads(geometry)
+    heads = ClusterHeads.stacked(clusters)
+    width = max(c.n_clusters for c in clusters)
+    assert heads.n_clusters == width and heads.head_clusters == [c.n_clusters for c in clusters]
+    for h, head_clusters in enumerate(clusters):
+        n = head_clusters.n_clusters
+        assert torch.equal(heads.counts[h, :n], head_clusters.counts)
+        assert (heads.counts[h, n:] == 0).all() and not heads.exact_read[h, n:].any()
+        assert torch.equal(heads.factor_by_rank[h, :, :, :n], head_clusters.factor.permute(1, 2, 0))
+    assert heads.nbytes > 0
+    one = ClusterHeads.stacked(clusters[:1])
+    assert one.nbytes == 0 and one.mean.data_ptr() == clusters[0].mean.data_ptr()
+
+
+def test_bad_stacks_and_queries_are_refused():
+    geometry = make_geometry("dot", DIM).double()
+    queries, keys, values, clusters = _heads(geometry)
+    with pytest.raises(ValueError, match="at least one head"):
+        ClusterHeads.stacked([])
+    other = make_geometry("dot", DIM).double()
+    with torch.no_grad():
+        foreign = KeyClusters.build(other.witness(keys[0]), values[0], other)
+        shorter = KeyClusters.build(geometry.witness(keys[0, :900]), values[0, :900], geometry)
+    with pytest.raises(ValueError, match="one geometry"):
+        ClusterHeads.stacked([clusters[0], foreign])
+    with pytest.raises(ValueError, match="not one n"):
+        ClusterHeads.stacked([clusters[0], shorter])
+    heads = ClusterHeads.stacked(clusters)
+    with pytest.raises(ValueError, match=r"expected queries \(3, nq, 8\)"):
+        tail_attention_heads(queries[:2], heads)
+    with pytest.raises(ValueError, match=r"expected queries \(3, nq, 8\)"):
+        tail_attention_heads(queries[0], heads)
+    with pytest.raises(ValueError, match="budget"):
+        tail_attention_heads(queries, heads, budget=2.0)
+
+
+def test_local_memory_attends_every_head_in_one_call(monkeypatch):
+    """`LocalMemory` in tail mode answers through one `tail_attention_heads` call per attend,
+    equal to a call per head over each head's clusters."""
+    geometry = make_geometry("dot", DIM)
+    queries, keys, values, _ = _heads(geometry, dtype=torch.float32)
+    memory = LocalMemory(HEADS, DIM, value_dim=VALUE_DIM, mode="tail", budget=0.05)
+    memory.append(keys, values)
+    calls = []
+    original = tail_module.tail_attention_heads
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("rewa.index.memory.tail_attention_heads", counted)
+    out, lse = memory.attend(queries)
+    assert calls == [queries.shape]
+    clusters = memory._indexes
+    for h in range(HEADS):
+        expected = tail_attention(queries[h], clusters[h], budget=0.05)
+        torch.testing.assert_close(out[h], expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[h], expected[1], rtol=1e-5, atol=1e-6)
