@@ -57,7 +57,7 @@ def test_sparse_example_runs():
 
 
 def test_tail_example_runs():
-    assert run_section("## Cluster-tail attention") == ["True", "(100, 64) (100,)"]
+    assert run_section("## Cluster-tail attention") == ["True", "(2, 100, 64) (2, 100)"]
 
 
 def test_service_curl_example_runs_against_a_live_server():
