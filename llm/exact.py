@@ -1,6 +1,12 @@
 """The exact part of a memory-backed attention: `(out, lse)` of queries over keys held in the
-process (a layer's window and sinks, a window of an encoder, a document's staged tokens), by
-the library's `dense_attention` under the dot geometry with the model's logit scale."""
+process (a layer's window and sinks, a window of an encoder, a document's staged tokens), under
+the dot geometry with the model's logit scale.
+
+A decode step's exact part is small (a few queries per head over a window of some hundred keys):
+there one matrix product for the logits and `softmax_attend` (about ten operations) replace the
+library's tiled online softmax (`dense_attention`), whose per-tile bookkeeping costs more than
+the arithmetic at that size (docs/benchmark-notes.md, "A decode step"). Larger parts (a prompt's
+blocks) keep the tiled path, which bounds its memory by the tile."""
 
 from __future__ import annotations
 
@@ -9,6 +15,9 @@ import functools
 import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry
+from rewa.attention.sparse import softmax_attend
+
+SMALL_LOGITS = 1 << 20  # the most logits (heads x queries x keys) computed in one tensor
 
 
 @functools.lru_cache(maxsize=64)
@@ -25,6 +34,14 @@ def exact_part(
     visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of queries `(heads, m, d)` over keys and values `(heads, n, .)` in
-    float32; `visible` `(m, n)`: which keys each query may see (all when None)."""
-    geometry = dot_geometry(queries.shape[-1], float(scale))
-    return dense_attention(queries.float(), keys.float(), values.float(), geometry, mask=visible)
+    float32; `visible` `(m, n)`: which keys each query may see (all when None). A query that
+    sees no key gets `out = 0`, `lse = -inf`."""
+    queries, keys, values = queries.float(), keys.float(), values.float()
+    heads, m, n = queries.shape[0], queries.shape[-2], keys.shape[-2]
+    if heads * m * n > SMALL_LOGITS:
+        geometry = dot_geometry(queries.shape[-1], float(scale))
+        return dense_attention(queries, keys, values, geometry, mask=visible)
+    logits = torch.matmul(queries, keys.transpose(-1, -2)) * float(scale)
+    if visible is not None:
+        logits = logits.masked_fill(~visible, float("-inf"))
+    return softmax_attend(logits, values)

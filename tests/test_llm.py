@@ -24,6 +24,7 @@ from rewa.llm import (
     local_memories,
     remote_memories,
 )
+from rewa.llm.exact import SMALL_LOGITS, exact_part
 from tests.service_support import Server
 
 TOKENS = 4096
@@ -100,6 +101,27 @@ def test_an_exact_local_memory_is_dense_attention_over_every_appended_token():
     expected = dense_attention(queries, keys, values, make_geometry("dot", 16))
     torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_keys", [300, 80000])  # one logits tensor; the tiled path
+def test_the_exact_part_is_masked_dense_attention_with_empty_rows_at_zero(n_keys):
+    keys, values, queries = _sequence(n=n_keys, seed=3)
+    assert (2 * 7 * n_keys > SMALL_LOGITS) == (n_keys == 80000)
+    visible = torch.rand(7, n_keys, generator=torch.Generator().manual_seed(4)) < 0.5
+    visible[2] = False  # a query that sees no key
+    queries = queries.requires_grad_()
+    out, lse = exact_part(queries, keys, values, 0.3, visible)
+    geometry = make_geometry("dot", 16, scale=0.3)
+    expected = dense_attention(queries, keys, values, geometry, mask=visible)
+    torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+    assert (out[:, 2] == 0).all() and torch.isneginf(lse[:, 2]).all()
+    seen = torch.arange(7) != 2
+    (grad,) = torch.autograd.grad((out[:, seen].sum() + lse[:, seen].sum()), queries)
+    (expected_grad,) = torch.autograd.grad(
+        (expected[0][:, seen].sum() + expected[1][:, seen].sum()), queries
+    )
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["tail", "topk"])
