@@ -442,19 +442,13 @@ def tail_attention_heads(
         pair_counts = row_counts.expand_as(rows.log_mass)[pair_query, pair_cluster]
         reference = _largest_logit_estimate(rows.log_mass, pair_counts, pair_query, pair_cluster)
         # The clusters read by every query (outliers) apart: they calibrate nothing.
-        ordinary = ~row_exact.expand_as(rows.log_mass)[pair_query, pair_cluster]
+        outlying = row_exact.expand_as(rows.log_mass)[pair_query, pair_cluster]
+        ordinary = ~outlying
         ordinary_query, ordinary_cluster = pair_query[ordinary], pair_cluster[ordinary]
-        visited = _visited_heads(
-            block, heads, ordinary_query, ordinary_cluster, is_always, reference
+        parts = _visited_apart(
+            block, heads, pair_query, pair_cluster, outlying, is_always, reference
         )
-        parts = [visited]
-        if not ordinary.all():
-            outlying = ~ordinary
-            parts.append(
-                _visited_heads(
-                    block, heads, pair_query[outlying], pair_cluster[outlying], is_always, reference
-                )
-            )
+        visited = parts[0]
         if n_always:
             scores = geometry.score(block, always_keys)
             parts.append(tuple(t.flatten(0, 1) for t in softmax_attend(scores, always_values)))
@@ -525,6 +519,33 @@ def _largest_logit_estimate(
     log_mean = log_mass[pair_query, pair_cluster] - pair_counts.log()
     reference = log_mass.new_full((log_mass.shape[0],), float("-inf"))
     return reference.scatter_reduce(0, pair_query, log_mean, reduce="amax")
+
+
+def _visited_apart(
+    qw: torch.Tensor,
+    heads: ClusterHeads,
+    pair_query: torch.Tensor,
+    pair_cluster: torch.Tensor,
+    apart: torch.Tensor,
+    is_always: list[torch.Tensor | None],
+    reference: torch.Tensor,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`_visited_heads` of the pairs not flagged `apart` and, when there are any, of those
+    flagged, as two results `(out (H * nq, dv), lse (H * nq,))`, in one call: each head's
+    queries are taken twice, rows `[0, nq)` for the pairs not apart and `[nq, 2 nq)` for the
+    others, so both go through one loop over the visited clusters."""
+    if not apart.any():
+        return [_visited_heads(qw, heads, pair_query, pair_cluster, is_always, reference)]
+    n_heads, n_queries = qw.shape[:2]
+    head, query = pair_query.div(n_queries, rounding_mode="floor"), pair_query % n_queries
+    rows = head * 2 * n_queries + apart * n_queries + query
+    order = rows.argsort(stable=True)
+    twice = reference.view(n_heads, 1, n_queries).expand(-1, 2, -1).flatten()
+    out, lse = _visited_heads(
+        qw.repeat(1, 2, 1), heads, rows[order], pair_cluster[order], is_always, twice
+    )
+    out, lse = out.view(n_heads, 2, n_queries, -1), lse.view(n_heads, 2, n_queries)
+    return [(out[:, part].flatten(0, 1), lse[:, part].flatten()) for part in (0, 1)]
 
 
 def _visited_heads(

@@ -6,7 +6,7 @@ overflows; the stacked selection; and the errors of bad stacks."""
 import pytest
 import torch
 
-from rewa.attention import make_geometry
+from rewa.attention import dense_attention, make_geometry
 from rewa.index import ClusterHeads, KeyClusters, LocalMemory, tail_attention, tail_attention_heads
 from rewa.index import tail as tail_module
 from rewa.index.tail import select_clusters
@@ -184,3 +184,17 @@ def test_local_memory_attends_every_head_in_one_call(monkeypatch):
         expected = tail_attention(queries[h], clusters[h], budget=0.05)
         torch.testing.assert_close(out[h], expected[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(lse[h], expected[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["dot", "sphere"])
+def test_heads_reading_every_cluster_are_dense_attention(name):
+    """At a budget of every key, each head's answer is dense attention over its keys, the
+    clusters every query reads (the outliers, visited apart from the others) included."""
+    geometry = build_geometry(name, DIM)
+    queries, keys, values, clusters = _heads(geometry)
+    assert any(c.exact_read.any() for c in clusters)
+    with torch.no_grad():
+        out, lse = tail_attention_heads(queries, ClusterHeads.stacked(clusters), budget=1.0)
+        expected_out, expected_lse = dense_attention(queries, keys, values, geometry)
+    torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
