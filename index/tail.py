@@ -50,10 +50,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from threadpoolctl import ThreadpoolController
 
 from rewa.attention import DotProduct, Geometry, merge_attention
 from rewa.attention.allocator import retain_freed_memory
@@ -66,6 +68,8 @@ KEY_BLOCK = 128  # keys per block of the exact part
 QUERY_GROUP = 32  # queries per (group, block) slice of the exact part
 CALIBRATION_STEPS = 4  # Newton steps of `calibrated`: alpha within 1e-4 (MiniLM)
 SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
+GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
+PARALLEL_SHIFT_BYTES = 4 << 20  # cross-covariances read above which the shift uses every thread
 
 
 def _hermite(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -935,33 +939,96 @@ def _tail_estimate(
     weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
     total = weights.sum(-1)
     out = weights @ heads.value_mean
-    n_queries = weights.shape[1]
     dtype = shift_dtype(weights.dtype, weights.device)
     whole = total if read_lse is None else total + (read_lse - peak.squeeze(-1)).exp()
     head_clusters = weights.new_tensor(heads.head_clusters).view(-1, 1, 1)
     floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / head_clusters)
     kept = (weights >= floor).any(1)  # (H, C)
+    products, features = [], []  # per head and lift: (weights, cross-covariances), a_i
     for head, clusters in enumerate(heads.heads):
-        columns = kept[head, : clusters.n_clusters].nonzero().squeeze(-1)
-        if len(columns) == 0:
-            continue
-        n_clusters = clusters.n_clusters
-        head_weights, value_cross = weights[head, :, :n_clusters], clusters.value_cross
-        slopes = [slope[head, :, :n_clusters] for slope, _ in shift_terms]
-        if len(columns) < n_clusters:
-            head_weights, value_cross = head_weights[:, columns], value_cross[columns]
-            slopes = [slope[:, columns] for slope in slopes]
-        start = 0
-        for slope, (_, a) in zip(slopes, shift_terms, strict=True):
-            a = a[head]
-            # sum_c w_c g_c Cov_c(b, v) per query, then contracted with the query's features.
-            cross = value_cross[:, start : start + a.shape[-1]].reshape(len(value_cross), -1)
-            summed = (head_weights * slope).to(dtype) @ cross.to(dtype)
-            summed = summed.view(n_queries, a.shape[-1], -1).to(out.dtype)
-            out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
-            start += a.shape[-1]
+        n = clusters.n_clusters
+        terms = [(slope[head, :, :n], a[head]) for slope, a in shift_terms]
+        for product, a in _value_shift_products(
+            clusters, weights[head, :, :n], kept[head, :n], terms
+        ):
+            products.append(tuple(t.to(dtype) for t in product))
+            features.append((head, a))
+    for summed, (head, a) in zip(_matrix_products(products), features, strict=True):
+        # sum_c w_c g_c Cov_c(b, v) per query, contracted with the query's features.
+        summed = summed.view(len(a), a.shape[-1], -1).to(out.dtype)
+        out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
     out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
     return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def _value_shift_products(
+    clusters: KeyClusters,
+    weights: torch.Tensor,
+    kept: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """One head's value shift `sum_c w_c sum_i g_ic Cov_c(b_i, v)^T a_i` over its clusters
+    `kept` `(nc,)` (weights `(nq, nc)`; `shift_terms` per lift the slopes `(nq, nc)` and the
+    features `a_i` `(nq, D_i)`), as per lift the matrix product to compute, `(w g (nq, k),
+    Cov (k, D_i dv))` over k clusters, and `a_i`."""
+    columns = kept.nonzero().squeeze(-1)
+    if len(columns) == 0:
+        return []
+    value_cross, slopes = clusters.value_cross, [slope for slope, _ in shift_terms]
+    if len(columns) * GATHER_SHARE < clusters.n_clusters:
+        # Few clusters kept: their cross-covariances gathered (a copy: read, written and read
+        # again) cost less than reading every cluster's in place.
+        weights, value_cross = weights[:, columns], value_cross[columns]
+        slopes = [slope[:, columns] for slope in slopes]
+    elif len(columns) < clusters.n_clusters:
+        # Most kept: every cluster's in place, the ones left out at weight 0.
+        weights = weights * kept
+    found, start = [], 0
+    for slope, (_, a) in zip(slopes, shift_terms, strict=True):
+        cross = value_cross[:, start : start + a.shape[-1]].reshape(len(value_cross), -1)
+        found.append(((weights * slope, cross), a))
+        start += a.shape[-1]
+    return found
+
+
+def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """`a @ b` for each pair. On the CPU without autograd by numpy's BLAS, on one thread per
+    product and the products spread over PyTorch's number of threads: PyTorch's product of a
+    few rows (a decode step's queries) by a wide matrix ran 2-3x slower than numpy's, and
+    numpy's BLAS on two threads leaves them spinning after the call, which slowed the PyTorch
+    operations that follow by milliseconds on a two-core machine (docs/benchmark-notes.md,
+    "The value shift of a decode step")."""
+    if not pairs:
+        return []
+    if any(
+        t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or t.requires_grad
+        for pair in pairs
+        for t in pair
+    ):
+        return [a @ b for a, b in pairs]
+    arrays = [(a.numpy(), b.numpy()) for a, b in pairs]
+    with _one_blas_thread():
+        if sum(b.nbytes for _, b in arrays) < PARALLEL_SHIFT_BYTES or len(arrays) == 1:
+            found = [np.matmul(a, b) for a, b in arrays]
+        else:
+            found = list(_cpu_workers().map(lambda pair: np.matmul(*pair), arrays))
+    return [torch.from_numpy(product) for product in found]
+
+
+@functools.cache
+def _cpu_workers() -> ThreadPoolExecutor:
+    """Threads for numpy products that release the GIL, as many as PyTorch's CPU threads."""
+    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rewa-shift")
+
+
+@functools.cache
+def _blas_threads() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread (PyTorch's own threads unchanged)."""
+    return _blas_threads().limit(limits=1, user_api="blas")
 
 
 def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

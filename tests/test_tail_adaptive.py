@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import KeyClusters, quality, tail_attention
+from rewa.index import ClusterHeads, KeyClusters, quality, tail_attention, tail_attention_heads
 from rewa.index import tail as tail_module
 from rewa.index.clusters import _nearest, _points, default_cluster_keys
 from rewa.index.tail import ClusterEstimate, calibrated, estimate_clusters
@@ -183,3 +183,46 @@ def test_the_value_shift_leaves_out_only_negligible_clusters(monkeypatch):
     weights = (estimate.log_mass - estimate.log_mass.amax(-1, keepdim=True)).exp()
     negligible = weights < weights.sum(-1, keepdim=True) * 1e-3 / clusters.n_clusters
     assert negligible.float().mean() > 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtype):
+    """The shift's product gathers the kept clusters or reads all of them in place (the others
+    at weight 0), on one thread or spread over threads, in numpy or (under autograd) PyTorch:
+    the same tail attention every way, for sharp queries (few clusters kept) and diffuse ones
+    (most kept), over two heads."""
+    g = make_geometry("dot", 16).to(dtype)
+    k, v, generator = _topics(8192)
+    clusters = KeyClusters.build(k.to(dtype), v.to(dtype), g)
+    heads = ClusterHeads.stacked([clusters, clusters])
+    tolerance = 1e-12 if dtype == torch.float64 else 2e-6
+    widths = []
+    products = tail_module._matrix_products
+
+    def spy(pairs):
+        widths.extend(a.shape[-1] for a, _ in pairs)
+        return products(pairs)
+
+    monkeypatch.setattr(tail_module, "_matrix_products", spy)
+    for n_queries, scale in ((1, 4.0), (8, 0.3)):  # a sharp decode step; diffuse queries
+        q = _queries(k, generator, n_queries, scale=scale).to(dtype)
+        q = torch.stack([q, q.flip(0)])
+        with torch.no_grad():
+            expected = tail_attention_heads(q, heads, budget=0.02)
+        ways = [("GATHER_SHARE", 0), ("GATHER_SHARE", 10**9), ("PARALLEL_SHIFT_BYTES", 0)]
+        for name, value in ways:
+            with monkeypatch.context() as patch:
+                patch.setattr(tail_module, name, value)
+                with torch.no_grad():
+                    out, lse = tail_attention_heads(q, heads, budget=0.02)
+            torch.testing.assert_close(out, expected[0], rtol=tolerance, atol=tolerance)
+            torch.testing.assert_close(lse, expected[1], rtol=tolerance, atol=tolerance)
+        # Under autograd the products are PyTorch's, and gradients reach the queries.
+        q = q.clone().requires_grad_()
+        out, _ = tail_attention_heads(q, heads, budget=0.02)
+        torch.testing.assert_close(out.detach(), expected[0], rtol=tolerance, atol=tolerance)
+        (grad,) = torch.autograd.grad(out.sum(), q)
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    # With the default share, sharp queries gathered few clusters, diffuse ones read all.
+    assert min(widths) * tail_module.GATHER_SHARE < clusters.n_clusters
+    assert max(widths) == clusters.n_clusters
