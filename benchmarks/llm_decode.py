@@ -8,8 +8,11 @@
    dense SDPA over the same keys (all of them), for the in-process memory (`local_memories`)
    and the HTTP memory (`remote_memories`, a `rewa serve` subprocess on this machine, embedded
    store). Keys are topic-clustered like benchmarks/data.py's `clustered` (one component per
-   256 keys) and each step's query is a fresh draw from the mixture; the error of each step's
-   output against SDPA's is recorded.
+   256 keys) and each step's query is a fresh draw from the mixture (sharp: a few topics hold
+   most of its attention); the error of each step's output against SDPA's is recorded. The
+   in-process memory is also timed with diffuse queries (standard normal, unrelated to the
+   topics: attention spread over the whole context, so the tail estimate's value shift reads
+   most clusters' statistics), as heads of real models are both.
 2. Tokens per second of a small Llama (2 layers, the same heads, hidden size 512) generating at a
    131072-token context: its caches are filled with the same synthetic keys (a CPU cannot run a
    128k prefill through the model), then it decodes `--new-tokens` tokens greedily with
@@ -73,12 +76,16 @@ def sdpa_step(query, keys, values) -> torch.Tensor:
     return out.reshape(1, Q_HEADS, 1, DIM).transpose(1, 2)
 
 
-def layer_steps(memories, tokens: int, steps: int, budget: float) -> dict:
-    """Decode `steps` tokens through one `MemoryLayer` and, interleaved, dense SDPA."""
+def layer_steps(memories, tokens: int, steps: int, budget: float, diffuse: bool = False) -> dict:
+    """Decode `steps` tokens through one `MemoryLayer` and, interleaved, dense SDPA; `diffuse`:
+    standard normal queries instead of draws from the keys' mixture."""
     mixture = Mixture(tokens)
     keys = mixture.draw(KV_HEADS, tokens + steps).unsqueeze(0)
     values = mixture.values(tokens + steps).unsqueeze(0)
-    queries = mixture.draw(Q_HEADS, steps + 1) * QUERY_SCALE
+    if diffuse:
+        queries = torch.randn(Q_HEADS, steps + 1, DIM, generator=mixture.generator)
+    else:
+        queries = mixture.draw(Q_HEADS, steps + 1) * QUERY_SCALE
     layer = MemoryLayer(0, memories, window=512, sinks=4, spill=256)
     scaling = DIM**-0.5
     start = time.perf_counter()
@@ -111,6 +118,7 @@ def layer_steps(memories, tokens: int, steps: int, budget: float) -> dict:
         "relative_error_p50": statistics.median(errors),
         "relative_error_max": max(errors),
         "budget": budget,
+        "queries": "diffuse" if diffuse else "sharp",
     }
 
 
@@ -178,18 +186,27 @@ def plot(result: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     layer = result["layer_step"]
     names = [name for name in ("local", "http") if name in layer]
-    bars = [layer[name]["rewa_p50_ms"] for name in names] + [layer[names[0]]["sdpa_p50_ms"]]
-    labels = [f"rewa {name}" for name in names] + ["dense SDPA"]
-    left.bar(labels, bars, color=["tab:blue", "tab:orange", "tab:gray"][: len(bars)])
+    bars = [layer[name]["rewa_p50_ms"] for name in names]
+    labels = [f"rewa {name}\nsharp" for name in names]
+    colors = ["tab:blue", "tab:orange"][: len(names)]
+    if "layer_step_diffuse" in result:
+        bars.append(result["layer_step_diffuse"]["rewa_p50_ms"])
+        labels.append("rewa local\ndiffuse")
+        colors.append("tab:cyan")
+    bars.append(layer[names[0]]["sdpa_p50_ms"])
+    labels.append("dense SDPA")
+    colors.append("tab:gray")
+    left.bar(labels, bars, color=colors)
     left.set_ylabel("ms per layer per token (median)")
-    left.set_title(f"decode step, {result['tokens']} tokens, 32/8 heads, d=128")
+    budget = layer[names[0]]["budget"]
+    left.set_title(f"decode step, {result['tokens']} tokens, tail {budget:.0%}", fontsize=10)
     if "generation" in result:
         rates = result["generation"]
         right.bar(["rewa (tail)", "full attention"],
                   [rates["rewa"]["tokens_per_s"], rates["full"]["tokens_per_s"]],
                   color=["tab:blue", "tab:gray"])  # fmt: skip
         right.set_ylabel("tokens / s")
-        right.set_title("2-layer Llama generating at that context")
+        right.set_title("2-layer Llama generating at that context", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -212,6 +229,10 @@ def main() -> None:
     low = local_memories(mode="tail", budget=args.low_budget)
     result["layer_step_low_budget"] = layer_steps(low, args.tokens, args.steps, args.low_budget)
     print("local, low budget", result["layer_step_low_budget"], flush=True)
+    memories = local_memories(mode="tail", budget=args.budget)
+    diffuse = layer_steps(memories, args.tokens, args.steps, args.budget, diffuse=True)
+    result["layer_step_diffuse"] = diffuse
+    print("local, diffuse queries", diffuse, flush=True)
     if not args.no_http:
         server = Server().start()
         try:

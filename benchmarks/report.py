@@ -334,16 +334,18 @@ def llm_decode_section(result: dict) -> str:
         "with a tail memory, against dense SDPA over the same keys, interleaved "
         f"({result['threads']} threads). Error: relative L2 of the step's output against SDPA's.",
         "",
-        "| memory | budget | p50 / p90 / mean | SDPA p50 | speed-up (p50) | error p50 / max "
-        "| first step (spill + build) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| memory | queries | budget | p50 / p90 / mean | SDPA p50 | speed-up (p50) "
+        "| error p50 / max | first step (spill + build) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = [(name, step) for name, step in steps.items()]
-    if "layer_step_low_budget" in result:
-        rows.append(("local", result["layer_step_low_budget"]))
+    for extra in ("layer_step_low_budget", "layer_step_diffuse"):
+        if extra in result:
+            rows.append(("local", result[extra]))
     for name, r in rows:
         lines.append(
-            f"| {name} | {r['budget']:.0%} | {r['rewa_p50_ms']:.1f} / {r['rewa_p90_ms']:.1f} / "
+            f"| {name} | {r.get('queries', 'sharp')} | {r['budget']:.0%} | "
+            f"{r['rewa_p50_ms']:.1f} / {r['rewa_p90_ms']:.1f} / "
             f"{r['rewa_mean_ms']:.1f} ms | {r['sdpa_p50_ms']:.1f} ms | {r['speedup_p50']:.1f}x | "
             f"{r['relative_error_p50']:.1e} / {r['relative_error_max']:.1e} | "
             f"{r['first_step_s']:.1f} s |"

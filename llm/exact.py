@@ -5,8 +5,8 @@ the dot geometry with the model's logit scale.
 A decode step's exact part is small (a few queries per head over a window of some hundred keys):
 there one matrix product for the logits and `softmax_attend` (about ten operations) replace the
 library's tiled online softmax (`dense_attention`), whose per-tile bookkeeping costs more than
-the arithmetic at that size (docs/benchmark-notes.md, "A decode step"). Larger parts (a prompt's
-blocks) keep the tiled path, which bounds its memory by the tile."""
+the arithmetic at that size (docs/benchmark-notes.md, "The value shift of a decode step").
+Larger parts (a prompt's blocks) keep the tiled path, which bounds its memory by the tile."""
 
 from __future__ import annotations
 
