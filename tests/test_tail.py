@@ -19,17 +19,16 @@ from rewa.index import (
     retrieval_attention,
     tail_attention,
 )
-from rewa.index import tail as tail_module
-from rewa.index.tail import (
+from rewa.index.tail import select_clusters, shift_dtype
+from rewa.index.tail import unread as unread_module
+from rewa.index.tail.exact import (
     _blocked_partials,
     _merge_partials,
-    _most_massive,
     _per_cluster_partials,
     _shared_reference_attention,
     _visited_attention,
-    select_clusters,
-    shift_dtype,
 )
+from rewa.index.tail.selection import _most_massive
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
@@ -212,10 +211,10 @@ def test_the_value_shift_runs_in_bfloat16_only_on_hardware_that_multiplies_it_na
     monkeypatch,
 ):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(tail_module, "cpu_multiplies_bfloat16", lambda: True)
+    monkeypatch.setattr(unread_module, "cpu_multiplies_bfloat16", lambda: True)
     assert shift_dtype(torch.float32, cpu) == torch.bfloat16
     assert shift_dtype(torch.float64, cpu) == torch.float64  # exactness tests stay exact
-    monkeypatch.setattr(tail_module, "cpu_multiplies_bfloat16", lambda: False)
+    monkeypatch.setattr(unread_module, "cpu_multiplies_bfloat16", lambda: False)
     assert shift_dtype(torch.float32, cpu) == torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert shift_dtype(torch.float32, cuda) == torch.bfloat16
@@ -245,7 +244,9 @@ def test_a_bfloat16_value_shift_changes_the_output_by_far_less_than_the_estimate
         results = {}
         for native_bf16 in (False, True):
             monkeypatch.setattr(
-                tail_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
+                unread_module,
+                "cpu_multiplies_bfloat16",
+                lambda native_bf16=native_bf16: native_bf16,
             )
             results[native_bf16] = tail_attention(q, clusters, budget=0.02)
         exact_only, _ = tail_attention(q, clusters, budget=0.02, tail=False)
@@ -309,7 +310,7 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
     gradients = {}
     for native_bf16 in (False, True):
         monkeypatch.setattr(
-            tail_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
+            unread_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
         )
         queries = q.clone().requires_grad_()
         out, lse = tail_attention(queries, clusters, budget=0.05)

@@ -14,6 +14,7 @@ from rewa.index import ClusterHeads, KeyClusters, quality, tail_attention, tail_
 from rewa.index import tail as tail_module
 from rewa.index.clusters import _nearest, _points, default_cluster_keys
 from rewa.index.tail import ClusterEstimate, calibrated, estimate_clusters
+from rewa.index.tail import unread as unread_module
 
 
 def _topics(n, d=16, keys_per_topic=256, spread=1.0, seed=0):
@@ -173,7 +174,7 @@ def test_the_value_shift_leaves_out_only_negligible_clusters(monkeypatch):
     clusters = KeyClusters.build(k, v, g)
     with torch.no_grad():
         out, lse = tail_attention(q, clusters, budget=0.02)
-        monkeypatch.setattr(tail_module, "SHIFT_NEGLIGIBLE", 0.0)
+        monkeypatch.setattr(unread_module, "SHIFT_NEGLIGIBLE", 0.0)
         out_all, lse_all = tail_attention(q, clusters, budget=0.02)
     torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-12)  # the shift moves values only
     scale = out_all.norm(dim=-1, keepdim=True)
@@ -197,13 +198,13 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
     heads = ClusterHeads.stacked([clusters, clusters])
     tolerance = 1e-12 if dtype == torch.float64 else 2e-6
     widths = []
-    products = tail_module._matrix_products
+    products = unread_module._matrix_products
 
     def spy(pairs):
         widths.extend(a.shape[-1] for a, _ in pairs)
         return products(pairs)
 
-    monkeypatch.setattr(tail_module, "_matrix_products", spy)
+    monkeypatch.setattr(unread_module, "_matrix_products", spy)
     for n_queries, scale in ((1, 4.0), (8, 0.3)):  # a sharp decode step; diffuse queries
         q = _queries(k, generator, n_queries, scale=scale).to(dtype)
         q = torch.stack([q, q.flip(0)])
@@ -212,7 +213,7 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
         ways = [("GATHER_SHARE", 0), ("GATHER_SHARE", 10**9), ("PARALLEL_SHIFT_BYTES", 0)]
         for name, value in ways:
             with monkeypatch.context() as patch:
-                patch.setattr(tail_module, name, value)
+                patch.setattr(unread_module, name, value)
                 with torch.no_grad():
                     out, lse = tail_attention_heads(q, heads, budget=0.02)
             torch.testing.assert_close(out, expected[0], rtol=tolerance, atol=tolerance)
@@ -224,5 +225,5 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
         (grad,) = torch.autograd.grad(out.sum(), q)
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0
     # With the default share, sharp queries gathered few clusters, diffuse ones read all.
-    assert min(widths) * tail_module.GATHER_SHARE < clusters.n_clusters
+    assert min(widths) * unread_module.GATHER_SHARE < clusters.n_clusters
     assert max(widths) == clusters.n_clusters

@@ -9,6 +9,7 @@ import torch
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import ClusterHeads, KeyClusters, LocalMemory, tail_attention, tail_attention_heads
 from rewa.index import tail as tail_module
+from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
 from tests.support import build_geometry
 
@@ -78,7 +79,7 @@ def test_a_head_whose_reference_overflows_is_redone_alone(monkeypatch):
         expected = tail_attention_heads(queries, heads, budget=0.05)
         redone = []
         original_reference = tail_module._largest_logit_estimate
-        original_visited = tail_module._visited_attention
+        original_visited = exact_module._visited_attention
 
         def far_reference(*args):
             reference = original_reference(*args).clone()
@@ -90,7 +91,7 @@ def test_a_head_whose_reference_overflows_is_redone_alone(monkeypatch):
             return original_visited(*args, **kwargs)
 
         monkeypatch.setattr(tail_module, "_largest_logit_estimate", far_reference)
-        monkeypatch.setattr(tail_module, "_visited_attention", visited)
+        monkeypatch.setattr(exact_module, "_visited_attention", visited)
         out, lse = tail_attention_heads(queries, heads, budget=0.05)
     assert redone and all(clusters_redone is clusters[1] for clusters_redone in redone)
     torch.testing.assert_close(out, expected[0], rtol=1e-9, atol=1e-9)

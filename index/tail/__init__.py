@@ -1,0 +1,197 @@
+"""Cluster-tail attention (docs/mathematics.md 6, "Tail estimate"): exact attention over the keys of
+the clusters a query visits, an estimate of every cluster it does not visit, merged exactly
+(docs/mathematics.md 7).
+
+The stages, one module each:
+
+- `estimate`: every cluster's estimated log-mass and value-shift terms (`estimate_clusters`);
+- `selection`: the clusters each query reads exactly within its budget (`select_clusters`);
+- `exact`: the attention over the keys of those clusters;
+- `calibration`: each query's estimate fitted to the exact mass of what it read (`calibrated`);
+- `unread`: the estimate of every other cluster, values shifted by the cross-covariances.
+
+`tail_attention` (one head) and `tail_attention_heads` (several heads in one call) run them in
+that order."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rewa.attention import merge_attention
+from rewa.attention.allocator import retain_freed_memory
+from rewa.attention.sparse import softmax_attend
+
+from ..clusters import ClusterHeads, KeyClusters
+from .calibration import calibrated
+from .estimate import ClusterEstimate, estimate_clusters
+from .exact import _largest_logit_estimate, _visited_apart
+from .selection import select_clusters
+from .unread import _tail_estimate, cpu_multiplies_bfloat16, shift_dtype
+
+__all__ = [
+    "ClusterEstimate",
+    "calibrated",
+    "cpu_multiplies_bfloat16",
+    "estimate_clusters",
+    "select_clusters",
+    "shift_dtype",
+    "tail_attention",
+    "tail_attention_heads",
+]
+
+
+def tail_attention(
+    q: torch.Tensor,
+    clusters: KeyClusters,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+    report: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention `(out (nq, dv), lse (nq,))` of ambient queries `(nq, d)` over a clustered
+    context: exact over the clusters each query visits (`select_clusters`, within `budget`, a
+    fraction of all keys) and over the key ids `always` (window and sinks,
+    shared by every query); with `tail`, every other cluster's estimate (`tail.estimate`) is
+    merged in, and `lse` estimates the full log-partition. `tail=False` is exact-only sparse
+    attention over the same keys.
+
+    `report`, if a dict, receives `keys_read` `(nq,)`: keys read exactly per query.
+    Gradients reach the queries (the clustered keys and statistics are constants).
+    `tail_attention_heads` does the same for several heads at once.
+    """
+    if q.dim() != 2 or q.shape[-1] != clusters.geometry.dim:
+        raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
+    heads = ClusterHeads.stacked([clusters])
+    out, lse = tail_attention_heads(
+        q.unsqueeze(0),
+        heads,
+        budget=budget,
+        tail=tail,
+        always=always,
+        query_block=query_block,
+        report=report,
+    )
+    if report is not None:
+        report["keys_read"] = report["keys_read"][0]
+    return out[0], lse[0]
+
+
+def tail_attention_heads(
+    q: torch.Tensor,
+    heads: ClusterHeads,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+    report: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tail_attention` of the queries `(H, nq, d)` of H heads over those heads' clusters
+    (`ClusterHeads`; head h's queries read head h's keys): `(out (H, nq, dv), lse (H, nq))`.
+
+    The estimate, the selection, the calibration and the tail are computed for every head in
+    one pass (batched matrix products over the head axis, one selection over the heads'
+    queries), the exact part per head; a decode step (a few queries per head) costs a fixed
+    number of operations instead of that number per head. `always` (key ids) holds for every
+    head; `report["keys_read"]` is `(H, nq)`."""
+    geometry = heads.geometry
+    if q.dim() != 3 or q.shape[0] != heads.n_heads or q.shape[-1] != geometry.dim:
+        raise ValueError(
+            f"expected queries ({heads.n_heads}, nq, {geometry.dim}), got {tuple(q.shape)}"
+        )
+    if not 0 <= budget <= 1:
+        raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
+    if q.device.type == "cpu":
+        # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
+        retain_freed_memory()
+    qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
+    n_heads, n_keys = heads.n_heads, heads.heads[0].n_keys
+    is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
+    counts = heads.counts
+    if always is not None and always.numel() > 0:
+        always = always.unique()
+        if always.min() < 0 or always.max() >= n_keys:
+            raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
+        counts, is_always, always_keys, always_values = _always_read(heads, always)
+    n_always = 0 if always is None else len(always)
+    budget_keys = budget * n_keys - n_always
+    exact_read = heads.exact_read
+    outs, lses, reads = [], [], []
+    for start in range(0, qw.shape[1], query_block):
+        block = qw[:, start : start + query_block]
+        n_queries = block.shape[1]
+        estimate = estimate_clusters(block, heads, counts)
+        rows = estimate.rows()
+        row_counts, row_exact = (_per_row(t, n_queries) for t in (counts, exact_read))
+        pair_query, pair_cluster = select_clusters(
+            rows.log_mass, row_counts, budget_keys, row_exact
+        )
+        pair_counts = row_counts.expand_as(rows.log_mass)[pair_query, pair_cluster]
+        reference = _largest_logit_estimate(rows.log_mass, pair_counts, pair_query, pair_cluster)
+        # The clusters read by every query (outliers) apart: they calibrate nothing.
+        outlying = row_exact.expand_as(rows.log_mass)[pair_query, pair_cluster]
+        ordinary = ~outlying
+        ordinary_query, ordinary_cluster = pair_query[ordinary], pair_cluster[ordinary]
+        parts = _visited_apart(
+            block, heads, pair_query, pair_cluster, outlying, is_always, reference
+        )
+        visited = parts[0]
+        if n_always:
+            scores = geometry.score(block, always_keys)
+            parts.append(tuple(t.flatten(0, 1) for t in softmax_attend(scores, always_values)))
+        if tail:
+            log_mass = calibrated(rows, ordinary_query, ordinary_cluster, visited[1].detach())
+            unvisited = log_mass.index_put(
+                (pair_query, pair_cluster), log_mass.new_tensor(-math.inf)
+            )
+            read_lse = torch.stack([lse for _, lse in parts]).logsumexp(0).detach()
+            parts.append(
+                _tail_estimate(
+                    heads,
+                    unvisited.view(estimate.log_mass.shape),
+                    estimate.shift_terms,
+                    read_lse.view(n_heads, n_queries),
+                )
+            )
+        out, lse = merge_attention(*parts)
+        outs.append(out.view(n_heads, n_queries, -1))
+        lses.append(lse.view(n_heads, n_queries))
+        read = pair_counts.new_zeros(n_heads * n_queries).index_add_(0, pair_query, pair_counts)
+        reads.append(read.view(n_heads, n_queries) + n_always)
+    if report is not None:
+        report["keys_read"] = torch.cat(reads, dim=1)
+    return geometry.output_map(torch.cat(outs, dim=1)), torch.cat(lses, dim=1)
+
+
+def _per_row(stacked: torch.Tensor, n_queries: int) -> torch.Tensor:
+    """A per-head `(H, C)` table as the rows of the heads' queries: `(C,)` for one head (the
+    same for every row), else `(H * nq, C)`."""
+    if stacked.shape[0] == 1:
+        return stacked[0]
+    return stacked.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
+
+
+def _always_read(heads: ClusterHeads, always: torch.Tensor):
+    """For key ids `always` (unique, in range) read exactly by every query of every head: the
+    cluster sizes without them `(H, C)`, per head a flag per sorted position, and their key
+    witnesses `(H, n, d_w)` and values `(H, n, dv)`."""
+    counts, flags, keys, values = heads.counts.clone(), [], [], []
+    for head, clusters in enumerate(heads.heads):
+        n_keys = clusters.n_keys
+        position = torch.empty_like(clusters.order)
+        position[clusters.order] = torch.arange(n_keys, device=position.device)
+        positions = position[always]
+        is_always = torch.zeros(n_keys, dtype=torch.bool, device=positions.device)
+        is_always[positions] = True
+        flags.append(is_always)
+        # Those keys are read exactly, so the estimates of their clusters leave them out.
+        cluster = torch.searchsorted(clusters.offsets, positions, right=True) - 1
+        removed = torch.bincount(cluster, minlength=clusters.n_clusters).to(counts.dtype)
+        counts[head, : clusters.n_clusters] -= removed
+        keys.append(clusters.keys_w[positions])
+        values.append(clusters.values[positions])
+    return counts, flags, torch.stack(keys), torch.stack(values)

@@ -1,0 +1,165 @@
+"""The estimate of the clusters a query did not read, merged with what it read: their
+estimated log-masses (`estimate.estimate_clusters`, calibrated) summed, and their values'
+softmax-weighted means shifted by the key-value cross-covariances.
+
+Values: with `g = Delta / var` (the effective slope; `= scale` for an untruncated dot product),
+the cluster's softmax-weighted value is `m_c + sum_i g_i Cov(v, s_i)`, the exponentially
+tilted mean of jointly Gaussian `(s, v)`: docs/mathematics.md 6's first-order `m_c + C_c^T q /
+sqrt(d)`, with the full key-value cross-covariance `Cov(v, s_i) = Cov(b, v)^T a_i`. Summed over
+clusters with the tail weights w, the shift is `sum_i a_i^T (sum_c w_c g_ic Cov_c(b_i, v))`: one
+`(nq, nc) @ (nc, D_i dv)` matrix product per lift, no `(nq, nc, .)` tensor; it runs in
+bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`shift_dtype`)."""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from threadpoolctl import ThreadpoolController
+
+from ..clusters import ClusterHeads, KeyClusters
+
+SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
+GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
+PARALLEL_SHIFT_BYTES = 4 << 20  # cross-covariances read above which the shift uses every thread
+
+
+def _tail_estimate(
+    heads: ClusterHeads,
+    log_mass: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+    read_lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out (H * nq, dv), lse (H * nq,))` of the clusters with finite `log_mass` `(H, nq, C)`
+    from their estimates (`estimate_clusters`). The value shift's matrix product, the largest of
+    the estimate (`(nq, nc) @ (nc, D dv)` per head), runs in `shift_dtype`, over the clusters
+    whose weight is at least `SHIFT_NEGLIGIBLE / nc` of some query's whole mass (these
+    clusters' plus `read_lse` `(H, nq)`, the log-mass of the keys it read exactly, if given):
+    the ones left out hold at most that fraction of any query's mass between them. Sharp
+    queries (a decode step) leave out most clusters, and the product reads each cluster's
+    `D x dv` cross-covariance: per head, from its own `KeyClusters` (not stacked: the
+    cross-covariances are most of the statistics' memory)."""
+    peak = log_mass.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
+    total = weights.sum(-1)
+    out = weights @ heads.value_mean
+    dtype = shift_dtype(weights.dtype, weights.device)
+    whole = total if read_lse is None else total + (read_lse - peak.squeeze(-1)).exp()
+    head_clusters = weights.new_tensor(heads.head_clusters).view(-1, 1, 1)
+    floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / head_clusters)
+    kept = (weights >= floor).any(1)  # (H, C)
+    products, features = [], []  # per head and lift: (weights, cross-covariances), a_i
+    for head, clusters in enumerate(heads.heads):
+        n = clusters.n_clusters
+        terms = [(slope[head, :, :n], a[head]) for slope, a in shift_terms]
+        for product, a in _value_shift_products(
+            clusters, weights[head, :, :n], kept[head, :n], terms
+        ):
+            products.append(tuple(t.to(dtype) for t in product))
+            features.append((head, a))
+    for summed, (head, a) in zip(_matrix_products(products), features, strict=True):
+        # sum_c w_c g_c Cov_c(b, v) per query, contracted with the query's features.
+        summed = summed.view(len(a), a.shape[-1], -1).to(out.dtype)
+        out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
+    out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def _value_shift_products(
+    clusters: KeyClusters,
+    weights: torch.Tensor,
+    kept: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """One head's value shift `sum_c w_c sum_i g_ic Cov_c(b_i, v)^T a_i` over its clusters
+    `kept` `(nc,)` (weights `(nq, nc)`; `shift_terms` per lift the slopes `(nq, nc)` and the
+    features `a_i` `(nq, D_i)`), as per lift the matrix product to compute, `(w g (nq, k),
+    Cov (k, D_i dv))` over k clusters, and `a_i`."""
+    columns = kept.nonzero().squeeze(-1)
+    if len(columns) == 0:
+        return []
+    value_cross, slopes = clusters.value_cross, [slope for slope, _ in shift_terms]
+    if len(columns) * GATHER_SHARE < clusters.n_clusters:
+        # Few clusters kept: their cross-covariances gathered (a copy: read, written and read
+        # again) cost less than reading every cluster's in place.
+        weights, value_cross = weights[:, columns], value_cross[columns]
+        slopes = [slope[:, columns] for slope in slopes]
+    elif len(columns) < clusters.n_clusters:
+        # Most kept: every cluster's in place, the ones left out at weight 0.
+        weights = weights * kept
+    found, start = [], 0
+    for slope, (_, a) in zip(slopes, shift_terms, strict=True):
+        cross = value_cross[:, start : start + a.shape[-1]].reshape(len(value_cross), -1)
+        found.append(((weights * slope, cross), a))
+        start += a.shape[-1]
+    return found
+
+
+def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """`a @ b` for each pair. On the CPU without autograd by numpy's BLAS, on one thread per
+    product and the products spread over PyTorch's number of threads: PyTorch's product of a
+    few rows (a decode step's queries) by a wide matrix ran 2-3x slower than numpy's, and
+    numpy's BLAS on two threads leaves them spinning after the call, which slowed the PyTorch
+    operations that follow by milliseconds on a two-core machine (docs/benchmark-notes.md,
+    "The value shift of a decode step")."""
+    if not pairs:
+        return []
+    if any(
+        t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or t.requires_grad
+        for pair in pairs
+        for t in pair
+    ):
+        return [a @ b for a, b in pairs]
+    arrays = [(a.numpy(), b.numpy()) for a, b in pairs]
+    with _one_blas_thread():
+        if sum(b.nbytes for _, b in arrays) < PARALLEL_SHIFT_BYTES or len(arrays) == 1:
+            found = [np.matmul(a, b) for a, b in arrays]
+        else:
+            found = list(_cpu_workers().map(lambda pair: np.matmul(*pair), arrays))
+    return [torch.from_numpy(product) for product in found]
+
+
+@functools.cache
+def _cpu_workers() -> ThreadPoolExecutor:
+    """Threads for numpy products that release the GIL, as many as PyTorch's CPU threads."""
+    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rewa-shift")
+
+
+@functools.cache
+def _blas_threads() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+def _one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread (PyTorch's own threads unchanged)."""
+    return _blas_threads().limit(limits=1, user_api="blas")
+
+
+def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of the value shift's matrix product for a float `dtype` context on `device`:
+    bfloat16 for float32 where the hardware multiplies bfloat16 matrices natively (a CUDA GPU
+    that supports it, a CPU with AMX tiles or AVX-512 BF16 dot products), else `dtype` itself
+    (float64 stays exact).
+
+    The shift is a first-order correction of the estimated clusters' value means, so
+    bfloat16's 8-bit mantissa costs it a relative 2^-8 or so of a term that is itself a
+    fraction of the output. A (1024 x 257) @ (257 x 1024) product took 2.7-5.2 ms in float32
+    and 0.7-2.0 ms in bfloat16 on an AMX CPU (the machine's speed drifting), 3.0-3.7 ms and
+    1.3-1.4 ms on an AVX-512 BF16 CPU without AMX."""
+    if dtype != torch.float32:
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else dtype
+    return torch.bfloat16 if device.type == "cpu" and cpu_multiplies_bfloat16() else dtype
+
+
+@functools.cache
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU has instructions that multiply bfloat16 natively (AMX tiles or AVX-512
+    BF16): oneDNN then multiplies bfloat16 matrices faster than float32 ones (`shift_dtype`
+    has the times measured)."""
+    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
