@@ -43,7 +43,7 @@ COPY clients/ clients/
 COPY llm/ llm/
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
-    && .venv/bin/python -m compileall -q attention index service clients
+    && .venv/bin/python -m compileall -q attention index service clients llm
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
 # is set.
