@@ -4,6 +4,7 @@ estimate calibrated on the keys it read, and the value shift leaving out cluster
 weight."""
 
 import math
+import multiprocessing
 from itertools import pairwise
 
 import pytest
@@ -227,3 +228,28 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
     # With the default share, sharp queries gathered few clusters, diffuse ones read all.
     assert min(widths) * unread_module.GATHER_SHARE < clusters.n_clusters
     assert max(widths) == clusters.n_clusters
+
+
+def _products_in_a_forked_child(pairs, results):
+    results.put([product.tolist() for product in unread_module._matrix_products(pairs)])
+
+
+def test_the_shift_threads_work_in_a_forked_child(monkeypatch):
+    """The parallel products' thread pool, used before a fork, is made anew in the child
+    (a pool copied by fork has no threads and would never run the products)."""
+    monkeypatch.setattr(unread_module, "PARALLEL_SHIFT_BYTES", 0)
+    generator = torch.Generator().manual_seed(0)
+    pairs = [(torch.randn(3, 20, generator=generator), torch.randn(20, 50, generator=generator))
+             for _ in range(4)]  # fmt: skip
+    expected = [a @ b for a, b in pairs]
+    for product, reference in zip(unread_module._matrix_products(pairs), expected, strict=True):
+        torch.testing.assert_close(product, reference)
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    child = context.Process(target=_products_in_a_forked_child, args=(pairs, results))
+    child.start()
+    found = results.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0
+    for product, reference in zip(found, expected, strict=True):
+        torch.testing.assert_close(torch.tensor(product), reference)

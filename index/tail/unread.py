@@ -13,6 +13,7 @@ bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`sh
 from __future__ import annotations
 
 import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -124,8 +125,12 @@ def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tor
 
 @functools.cache
 def _cpu_workers() -> ThreadPoolExecutor:
-    """Threads for numpy products that release the GIL, as many as PyTorch's CPU threads."""
+    """Threads for numpy products that release the GIL, as many as PyTorch's CPU threads. A
+    forked child gets its own (the parent's threads do not exist in it)."""
     return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rewa-shift")
+
+
+os.register_at_fork(after_in_child=_cpu_workers.cache_clear)
 
 
 @functools.cache
