@@ -190,9 +190,9 @@ def test_the_value_shift_leaves_out_only_negligible_clusters(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtype):
     """The shift's product gathers the kept clusters or reads all of them in place (the others
-    at weight 0), on one thread or spread over threads, in numpy or (under autograd) PyTorch:
-    the same tail attention every way, for sharp queries (few clusters kept) and diffuse ones
-    (most kept), over two heads."""
+    at weight 0), on one thread or spread over threads, in numpy or PyTorch (many rows, or
+    autograd): the same tail attention every way, for sharp queries (few clusters kept) and
+    diffuse ones (most kept), over two heads."""
     g = make_geometry("dot", 16).to(dtype)
     k, v, generator = _topics(8192)
     clusters = KeyClusters.build(k.to(dtype), v.to(dtype), g)
@@ -211,7 +211,12 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
         q = torch.stack([q, q.flip(0)])
         with torch.no_grad():
             expected = tail_attention_heads(q, heads, budget=0.02)
-        ways = [("GATHER_SHARE", 0), ("GATHER_SHARE", 10**9), ("PARALLEL_SHIFT_BYTES", 0)]
+        ways = [
+            ("GATHER_SHARE", 0),
+            ("GATHER_SHARE", 10**9),
+            ("PARALLEL_SHIFT_BYTES", 0),
+            ("NUMPY_SHIFT_ROWS", 0),  # PyTorch's products
+        ]
         for name, value in ways:
             with monkeypatch.context() as patch:
                 patch.setattr(unread_module, name, value)

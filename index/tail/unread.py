@@ -25,6 +25,7 @@ from ..clusters import ClusterHeads, KeyClusters
 SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
 GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
 PARALLEL_SHIFT_BYTES = 4 << 20  # cross-covariances read above which the shift uses every thread
+NUMPY_SHIFT_ROWS = 16  # the most query rows of a shift product that numpy computes
 
 
 def _tail_estimate(
@@ -100,19 +101,21 @@ def _value_shift_products(
 
 
 def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """`a @ b` for each pair. On the CPU without autograd by numpy's BLAS, on one thread per
-    product and the products spread over PyTorch's number of threads: PyTorch's product of a
-    few rows (a decode step's queries) by a wide matrix ran 2-3x slower than numpy's, and
-    numpy's BLAS on two threads leaves them spinning after the call, which slowed the PyTorch
-    operations that follow by milliseconds on a two-core machine (docs/benchmark-notes.md,
-    "The value shift of a decode step")."""
+    """`a @ b` for each pair. Products of at most `NUMPY_SHIFT_ROWS` rows (a decode step's
+    queries) on the CPU without autograd go to numpy's BLAS, on one thread per product, the
+    products spread over PyTorch's number of threads when they read more than
+    `PARALLEL_SHIFT_BYTES`: PyTorch's product of a few rows by a wide matrix ran up to 2x slower
+    than numpy's, and numpy's BLAS on two threads leaves them spinning after the call, which
+    slowed the PyTorch operations that follow by milliseconds on a two-core machine. Products
+    of more rows are compute-bound, and PyTorch's threads do them faster (docs/
+    benchmark-notes.md, "The value shift of a decode step")."""
     if not pairs:
         return []
     if any(
         t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64) or t.requires_grad
         for pair in pairs
         for t in pair
-    ):
+    ) or any(a.shape[0] > NUMPY_SHIFT_ROWS for a, _ in pairs):
         return [a @ b for a, b in pairs]
     arrays = [(a.numpy(), b.numpy()) for a, b in pairs]
     with _one_blas_thread():
