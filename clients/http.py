@@ -276,7 +276,8 @@ class _Operations:
         yield _Request("DELETE", f"/v1/contexts/{context_id}")
 
     def index_state(self, context_id: str) -> Operation:
-        """What the replica that answers holds of the latest version: `{"loaded", "built"}`."""
+        """What the replica that answers holds of the latest version: `{"loaded", "built",
+        "sealed_tokens"}`."""
         response = yield _Request("GET", f"/v1/contexts/{context_id}/index")
         return response.json()
 

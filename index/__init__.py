@@ -7,7 +7,7 @@ from .candidates import CandidateSet, build_candidates, query_positions, window_
 from .causal import causal_tail_attention
 from .clusters import ClusterHeads, KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings, LiftIndex, faiss_device
-from .growth import appended
+from .growth import OPEN_SEGMENT, appended, sealed_keys
 from .lsh import BoundaryProjectionHash, CompositeLSH, GridHash, SimHash
 from .measures import (
     dense_entropy,
@@ -30,6 +30,7 @@ from .retrieval import (
 from .tail import estimate_clusters, tail_attention, tail_attention_heads
 
 __all__ = [
+    "OPEN_SEGMENT",
     "BandedIndex",
     "BoundaryProjectionHash",
     "CandidateSet",
@@ -58,6 +59,7 @@ __all__ = [
     "query_positions",
     "retrieval_attention",
     "retrieval_candidates",
+    "sealed_keys",
     "summary",
     "tail_attention",
     "tail_attention_heads",

@@ -45,3 +45,18 @@ def appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor
         buffer = grown
     buffer[:, used:needed] = new
     return buffer
+
+
+# Keys of a context's open last segment: read exactly by every query until the segment fills,
+# then sealed into the indexes (docs/indexes.md, "The open segment").
+OPEN_SEGMENT = 2048
+
+
+def sealed_keys(n_keys: int, segment: int = OPEN_SEGMENT) -> int:
+    """How many leading keys of `n_keys` the indexes hold: those of the full segments of
+    `segment` keys (`n_keys` rounded down to a multiple of it); every key when `segment` is 0.
+    A function of `n_keys` alone, so a context's answers do not depend on how its tokens
+    arrived, and an append extends the indexes once per `segment` keys."""
+    if segment < 0:
+        raise ValueError(f"expected a segment of >= 0 keys (0: no open segment), got {segment}")
+    return n_keys - n_keys % segment if segment else n_keys

@@ -10,11 +10,12 @@ capacity, and the index of the mode (clusters for `tail`, the search index for `
 at the first attend and extended by later appends (`KeyClusters.extend`, `LiftIndex.extend`;
 docs/indexes.md, "Appends").
 
-With `max_unindexed = u > 0`, up to u tokens appended after the index was last built or
-extended stay outside it and every query reads them exactly (merged with the index's answer,
-docs/mathematics.md 7); the index is extended once more arrive. Extending costs time per
-cluster the new keys join, not per key (docs/indexes.md), so a decoding model that spills a
-few hundred tokens at a time pays it once per u tokens instead of once per spill."""
+As in the service, the index holds the tokens of the full segments of `open_segment` tokens
+(`growth.sealed_keys`); those of the open last segment are read exactly by every query and
+merged with the index's answer (docs/mathematics.md 7, docs/indexes.md "The open segment"), and
+the index is extended when a segment fills. Extending costs time per cluster the new keys join,
+not per key (docs/indexes.md), so a decoding model that spills a few hundred tokens at a time
+pays it once per segment instead of once per spill. `open_segment=0` indexes every token."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
 from .clusters import ClusterHeads, KeyClusters
-from .growth import appended
+from .growth import OPEN_SEGMENT, appended, sealed_keys
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
 
@@ -40,8 +41,9 @@ class LocalMemory:
     `geometry` is a geometry name with `geometry_options`, or a `Geometry` (a trained one, used
     as it is). `mode`: `tail` (clusters read within `budget`, a fraction of the keys, and every
     other cluster estimated), `topk` (the `k` best keys of an `index` of that kind) or `exact`
-    (dense attention). `max_unindexed`: the most recent tokens read exactly instead of through
-    the index (module docstring). The memory holds float32 tensors on `device`."""
+    (dense attention). `open_segment`: the size of the segments the index takes whole; the
+    tokens of the last, open one are read exactly (module docstring). The memory holds float32
+    tensors on `device`."""
 
     def __init__(
         self,
@@ -54,7 +56,7 @@ class LocalMemory:
         budget: float = 0.02,
         k: int = 64,
         index: str = "ivf",
-        max_unindexed: int = 0,
+        open_segment: int = OPEN_SEGMENT,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:
@@ -66,8 +68,10 @@ class LocalMemory:
             raise ValueError(f"expected a budget in (0, 1] (a fraction of keys), got {budget}")
         if k < 1:
             raise ValueError(f"expected k >= 1, got {k}")
-        if max_unindexed < 0:
-            raise ValueError(f"expected max_unindexed >= 0, got {max_unindexed}")
+        if open_segment < 0:
+            raise ValueError(
+                f"expected open_segment >= 0 (0: index every token), got {open_segment}"
+            )
         if isinstance(geometry, str):
             geometry = make_geometry(geometry, head_dim, **geometry_options)
         elif geometry_options:
@@ -79,7 +83,7 @@ class LocalMemory:
         self.device = torch.device(device)
         self.geometry = geometry.to(self.device)
         self.mode, self.budget, self.k, self.index_kind = mode, budget, k, index
-        self.max_unindexed = max_unindexed
+        self.open_segment = open_segment
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
             heads, INITIAL_CAPACITY, self.value_dim, device=self.device
@@ -141,19 +145,19 @@ class LocalMemory:
         q = queries.detach().to(self.device, torch.float32)
         if self.mode == "exact":
             return dense_attention(q, self.keys, self.values, self.geometry)
+        recent = slice(sealed_keys(self._n_tokens, self.open_segment), self._n_tokens)
+        out, lse = dense_attention(
+            q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
+        )
         indexes = self._current_indexes()
+        if not indexes:
+            return out, lse
         if self.mode == "tail":
-            out, lse = tail_attention_heads(q, self._cluster_heads, budget=self.budget)
+            indexed = tail_attention_heads(q, self._cluster_heads, budget=self.budget)
         else:
             heads = [self._topk_head(q[head], head, indexes[head]) for head in range(self.heads)]
-            out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
-        if self._indexed < self._n_tokens:
-            recent = slice(self._indexed, self._n_tokens)
-            exact = dense_attention(
-                q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
-            )
-            out, lse = merge_attention((out, lse), exact)
-        return out, lse
+            indexed = tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
+        return merge_attention(indexed, (out, lse))
 
     __call__ = attend
 
@@ -169,35 +173,36 @@ class LocalMemory:
         return retrieval_attention(q, k, v, self.geometry, top_k=self.k, index=index)
 
     def _current_indexes(self) -> list:
-        """The mode's index of every head over the first `_indexed` tokens: built over all at
-        the first attend, then extended with the tokens appended since, once there are more of
-        them than `max_unindexed`."""
-        if self._indexes is not None and self._n_tokens - self._indexed <= self.max_unindexed:
-            return self._indexes
+        """The mode's index of every head over the first `_indexed` tokens, the sealed ones
+        (`sealed_keys`): built at the first attend that has any, then extended when a segment
+        fills; [] while none is sealed."""
+        sealed = sealed_keys(self._n_tokens, self.open_segment)
+        if sealed == 0 or (self._indexes is not None and sealed == self._indexed):
+            return self._indexes or []
         witness = self.geometry.witness
+        keys, values = self._key_buffer[:, :sealed], self._value_buffer[:, :sealed]
         if self._indexes is None:
             if self.mode == "tail":
                 self._indexes = [
-                    KeyClusters.build(witness(self.keys[h]), self.values[h], self.geometry)
+                    KeyClusters.build(witness(keys[h]), values[h], self.geometry)
                     for h in range(self.heads)
                 ]
             else:
                 self._indexes = [
-                    build_index(self.keys[h], self.geometry, self.index_kind)
-                    for h in range(self.heads)
+                    build_index(keys[h], self.geometry, self.index_kind) for h in range(self.heads)
                 ]
         elif self.mode == "tail":
-            new = slice(self._indexed, self._n_tokens)
+            new = slice(self._indexed, sealed)
             self._indexes = [
-                clusters.extend(witness(self.keys[h, new]), self.values[h, new])
+                clusters.extend(witness(keys[h, new]), values[h, new])
                 for h, clusters in enumerate(self._indexes)
             ]
         else:
             for h, index in enumerate(self._indexes):
-                index.extend(witness(self.keys[h]))
+                index.extend(witness(keys[h]))
         if self.mode == "tail":
             self._cluster_heads = ClusterHeads.stacked(self._indexes)
-        self._indexed = self._n_tokens
+        self._indexed = sealed
         return self._indexes
 
     def __repr__(self) -> str:

@@ -50,7 +50,6 @@ ATTENTION_NAME = "rewa"
 DEFAULT_WINDOW = 512
 DEFAULT_SINKS = 4
 DEFAULT_SPILL = 256
-LOCAL_MAX_UNINDEXED = 2048  # spilled tokens a local memory reads exactly before indexing them
 
 
 class AttentionMemory(Protocol):
@@ -386,10 +385,9 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
 def local_memories(**options: Any) -> MemoryFactory:
     """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, k, device,
-    max_unindexed...). `max_unindexed` defaults to `LOCAL_MAX_UNINDEXED`: the spills since the
-    index was last extended are read exactly, and the index is extended once per 2048 spilled
-    tokens instead of once per spill (docs/llm.md, "Known limits")."""
-    options = {"max_unindexed": LOCAL_MAX_UNINDEXED, **options}
+    open_segment...): like a context of the service, a memory reads the spills of its open
+    segment exactly and extends its index once per segment of 2048 spilled tokens instead of
+    once per spill (docs/llm.md, "Known limits")."""
 
     def make(layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
         return LocalMemory(

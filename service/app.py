@@ -51,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         cache_bytes=settings.cache_bytes,
         store_indexes=settings.store_indexes,
         sparse_threads=settings.sparse_threads,
+        open_segment=settings.open_segment,
         metrics=metrics,
     )
     batcher = Batcher(

@@ -7,11 +7,14 @@ Per head of a context version the engine may hold a `KeyClusters` (tail mode) an
 index of the context's kind (topk mode, search, and the ids of `return_topk`); both are put in
 the store when `store_indexes` is on, so other replicas load them instead of rebuilding.
 
-A commit appends tokens. When an earlier version of the context is cached, the new version is
-made from it: only the new segments are read from the store, keys and values are appended to
-buffers with spare capacity, and the indexes built so far are extended with the new keys
-(`extend`: an assignment per key; retraining only when the trained prefix moves), which gives
-what a build over the whole version gives (docs/indexes.md, "Appends").
+The indexes hold the keys of a version's full segments of `open_segment` tokens
+(`sealed_keys`); the keys of the open last segment are read exactly by every query and merged
+with the indexed answer (docs/indexes.md, "The open segment"). A commit appends tokens. When an
+earlier version of the context is cached, the new version is made from it: only the new
+segments are read from the store, keys and values are appended to buffers with spare capacity,
+and the indexes built so far pass to it unchanged, or, when a segment filled, are extended with
+its keys (`extend`: an assignment per key; retraining only when the trained prefix moves), which
+gives what a build over the whole version gives (docs/indexes.md, "Appends").
 
 A context's geometry is its spec's, built from a fixed seed, with the trained state the context
 carries (`GEOMETRY_STATE`) loaded over it. A multi-layer document is one context whose stored
@@ -30,8 +33,15 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import load as safetensors_load
 
-from rewa.attention import DistanceGeometry, Geometry, dense_attention, make_geometry
+from rewa.attention import (
+    DistanceGeometry,
+    Geometry,
+    dense_attention,
+    make_geometry,
+    merge_attention,
+)
 from rewa.index import (
+    OPEN_SEGMENT,
     ClusterHeads,
     KeyClusters,
     appended,
@@ -39,7 +49,9 @@ from rewa.index import (
     exact_topk,
     index_from_bytes,
     index_to_bytes,
+    query_positions,
     retrieval_attention,
+    sealed_keys,
     tail_attention_heads,
     window_and_sinks,
 )
@@ -128,7 +140,9 @@ class LoadedContext:
     geometry: Geometry
     keys: torch.Tensor  # (H, N, d) float32
     values: torch.Tensor  # (H, N, dv) float32
-    clusters: list[KeyClusters] | None = None
+    # The indexes hold the first `sealed` tokens (`sealed_keys`); the rest are read exactly.
+    sealed: int = 0
+    clusters: list[KeyClusters] | None = None  # per head; [] when nothing is sealed
     cluster_heads: ClusterHeads | None = None  # `clusters` stacked (`Engine.cluster_heads`)
     search_indexes: dict[str, list] = field(default_factory=dict)
     nbytes: int = 0
@@ -166,9 +180,12 @@ class Engine:
         cache_bytes: int,
         store_indexes: bool,
         sparse_threads: int = 0,
+        open_segment: int = OPEN_SEGMENT,
         metrics=None,
     ) -> None:
+        sealed_keys(0, open_segment)  # a negative segment: ValueError
         self.store = store
+        self.open_segment = open_segment
         self.device = device
         self.cache_bytes = cache_bytes
         self.store_indexes = store_indexes
@@ -213,6 +230,7 @@ class Engine:
             geometry=geometry,
             keys=k,
             values=v,
+            sealed=sealed_keys(k.shape[1], self.open_segment),
             key_buffer=k,
             value_buffer=v,
         )
@@ -253,6 +271,7 @@ class Engine:
             geometry=loaded.geometry,
             keys=loaded.keys[heads],
             values=loaded.values[heads],
+            sealed=loaded.sealed,
             parent=loaded,
             heads=heads,
         )
@@ -277,7 +296,8 @@ class Engine:
 
     def _extended(self, earlier: LoadedContext, namespace: str, record: dict) -> LoadedContext:
         """The record's version made from an earlier one: the new segments read and appended,
-        the indexes built so far extended with their keys."""
+        the indexes built so far passed on, extended with the keys of the segments that filled
+        (`sealed_keys`)."""
         new_segments = record["segments"][len(earlier.record["segments"]) :]
         new_k, new_v = self._read_segments(namespace, record, new_segments)
         n_old, n = earlier.n_tokens, earlier.n_tokens + new_k.shape[1]
@@ -289,25 +309,38 @@ class Engine:
             geometry=earlier.geometry,
             keys=key_buffer[:, :n],
             values=value_buffer[:, :n],
+            sealed=sealed_keys(n, self.open_segment),
             key_buffer=key_buffer,
             value_buffer=value_buffer,
         )
+        if loaded.sealed == earlier.sealed:
+            loaded.clusters, loaded.cluster_heads = earlier.clusters, earlier.cluster_heads
+            loaded.search_indexes = earlier.search_indexes
+        else:
+            self._extend_indexes(earlier, loaded)
+        loaded.nbytes = key_buffer.nbytes + value_buffer.nbytes + _index_bytes(loaded)
+        return loaded
+
+    def _extend_indexes(self, earlier: LoadedContext, loaded: LoadedContext) -> None:
+        """Extend the indexes `earlier` built to the keys `loaded` seals; ones over no key
+        (nothing was sealed) are left to be built when needed."""
         start = time.perf_counter()
+        new = slice(earlier.sealed, loaded.sealed)
         with torch.no_grad():
             witness = loaded.geometry.witness
-            if earlier.clusters is not None:
+            if earlier.clusters:
                 loaded.clusters = [
-                    clusters.extend(witness(new_k[head]), new_v[head])
+                    clusters.extend(witness(loaded.keys[head, new]), loaded.values[head, new])
                     for head, clusters in enumerate(earlier.clusters)
                 ]
             for kind, indexes in earlier.search_indexes.items():
+                if not indexes:
+                    continue
                 for head, index in enumerate(indexes):
-                    index.extend(witness(loaded.keys[head]))
+                    index.extend(witness(loaded.keys[head, : loaded.sealed]))
                 loaded.search_indexes[kind] = indexes
-        if earlier.clusters is not None or earlier.search_indexes:
+        if loaded.clusters is not None or loaded.search_indexes:
             self._observe_build("extend", time.perf_counter() - start)
-        loaded.nbytes = key_buffer.nbytes + value_buffer.nbytes + _index_bytes(loaded)
-        return loaded
 
     def _evict(self) -> None:
         """Drop least recently used contexts while over the budget (never the newest)."""
@@ -333,7 +366,8 @@ class Engine:
     # -- indexes ----------------------------------------------------------------------------
 
     def clusters(self, loaded: LoadedContext) -> list[KeyClusters]:
-        """Per-head `KeyClusters`, built once per version (or loaded from the store)."""
+        """Per-head `KeyClusters` of the sealed keys, built once per version (or loaded from
+        the store); [] when no key is sealed."""
         if loaded.clusters is not None:
             return loaded.clusters
         if loaded.parent is not None:
@@ -342,23 +376,25 @@ class Engine:
         namespace, context_id, version = loaded.key
         built = []
         start = time.perf_counter()
-        for head in range(loaded.keys.shape[0]):
-            name = f"clusters{KeyClusters.FORMAT}-v{version}-h{head}.npz"
+        sealed = loaded.sealed
+        for head in range(loaded.keys.shape[0] if sealed else 0):
+            name = f"clusters{KeyClusters.FORMAT}-v{version}-n{sealed}-h{head}.npz"
             blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
             if blob is not None:
                 built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
                 continue
             with torch.no_grad():
                 clusters = KeyClusters.build(
-                    loaded.geometry.witness(loaded.keys[head]),
-                    loaded.values[head],
+                    loaded.geometry.witness(loaded.keys[head, :sealed]),
+                    loaded.values[head, :sealed],
                     loaded.geometry,
                     device=self.device.type,
                 )
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, clusters.to_bytes())
             built.append(clusters)
-        self._observe_build("clusters", time.perf_counter() - start)
+        if built:
+            self._observe_build("clusters", time.perf_counter() - start)
         loaded.clusters = built
         loaded.nbytes += sum(c.nbytes for c in built)
         return built
@@ -372,8 +408,9 @@ class Engine:
         return loaded.cluster_heads
 
     def search_index(self, loaded: LoadedContext) -> list:
-        """Per-head search indexes of the context's kind, built once per version (or loaded
-        from the store, where another replica put them)."""
+        """Per-head search indexes of the context's kind over the sealed keys, built once per
+        version (or loaded from the store, where another replica put them); [] when no key is
+        sealed."""
         spec = loaded.record["index"]
         kind = spec["kind"]
         if kind in loaded.search_indexes:
@@ -385,9 +422,10 @@ class Engine:
         options = dict(spec.get("options") or {})
         indexes = []
         start = time.perf_counter()
-        for head in range(loaded.keys.shape[0]):
-            name = f"{kind}-v{version}-h{head}.npz"
-            keys = loaded.keys[head]
+        sealed = loaded.sealed
+        for head in range(loaded.keys.shape[0] if sealed else 0):
+            name = f"{kind}-v{version}-n{sealed}-h{head}.npz"
+            keys = loaded.keys[head, :sealed]
             blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
             if blob is not None:
                 indexes.append(index_from_bytes(blob, keys, loaded.geometry, kind, **options))
@@ -396,20 +434,22 @@ class Engine:
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, index_to_bytes(index))
             indexes.append(index)
-        self._observe_build(kind, time.perf_counter() - start)
+        if indexes:
+            self._observe_build(kind, time.perf_counter() - start)
         loaded.search_indexes[kind] = indexes
         return indexes
 
     def index_state(self, namespace: str, record: dict) -> dict:
-        """`{"loaded", "built"}` of the record's version in the cache (nothing is loaded)."""
+        """`{"loaded", "built", "sealed_tokens"}` of the record's version in the cache
+        (nothing is loaded)."""
         with self._lock:
             loaded = self._cache.get((namespace, record["id"], record["version"]))
         if loaded is None:
-            return {"loaded": False, "built": []}
+            return {"loaded": False, "built": [], "sealed_tokens": None}
         built = ["tail"] if loaded.clusters is not None else []
         if record["index"]["kind"] in loaded.search_indexes:
             built.append("topk")
-        return {"loaded": True, "built": built}
+        return {"loaded": True, "built": built, "sealed_tokens": loaded.sealed}
 
     def build_indexes(self, loaded: LoadedContext, modes: list[str]) -> None:
         """Build what the modes need now (the clusters for tail, the search index for topk)
@@ -444,37 +484,81 @@ class Engine:
         if params.mode == "exact":
             out, lse = self._exact(loaded, q, positions, causal)
         else:
-            # Indexes are built (first use) with every thread; the attention itself runs on
-            # `sparse_threads`: a sparse call is many small operations, which a second thread
-            # speeds up far less than it costs the other work of the process
-            # (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on
-            # one thread, 135 on two).
-            if params.mode == "tail" and not causal:
-                # Every head in one call (a decode step costs one head's operations).
-                heads = self.cluster_heads(loaded)
-                always = window_and_sinks(loaded.n_tokens, params.window, params.sinks, q.device)
-                with intra_op_threads(self.sparse_threads):
-                    out, lse = tail_attention_heads(q, heads, budget=params.budget, always=always)
-            else:
-                # Causal tail clusters the keys before each segment of queries itself.
-                if params.mode == "tail":
-                    indexes = [None] * q.shape[0]
-                else:
-                    indexes = self.search_index(loaded)
-                with intra_op_threads(self.sparse_threads):
-                    heads = [
-                        self._sparse_head(
-                            loaded, q[head], head, indexes[head], params, positions, causal
-                        )
-                        for head in range(q.shape[0])
-                    ]
-                out, lse = (torch.stack(parts) for parts in zip(*heads, strict=True))
+            if positions is None:  # bottom-right aligned, as dense attention's
+                positions = query_positions(q.shape[1], loaded.n_tokens, q.device)
+            out, lse = self._sparse(loaded, q, params, positions, causal)
         result = {"out": out, "lse": lse}
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
             result["ids"] = ids
             result["weights"] = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
         return result
+
+    def _sparse(self, loaded, q, params, positions, causal):
+        """Tail or topk attention of queries `(H, nq, d)` at `positions`: the sealed keys
+        through the index merged with the open segment read exactly, or causal tail."""
+        if params.mode == "tail" and causal:
+            # Causal tail clusters the keys before each segment of queries itself.
+            with intra_op_threads(self.sparse_threads):
+                heads = [
+                    self._sparse_head(loaded, q[head], head, None, params, positions, causal)
+                    for head in range(q.shape[0])
+                ]
+            return tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
+        out, lse = self._open_segment(loaded, q, positions, causal)
+        if loaded.sealed:
+            out, lse = merge_attention(
+                self._sealed_part(loaded, q, params, positions, causal), (out, lse)
+            )
+        return out, lse
+
+    def _sealed_part(self, loaded, q, params, positions, causal):
+        """Tail (non-causal) or topk attention over the sealed keys: `(out, lse)`.
+
+        Indexes are built (first use) with every thread; the attention itself runs on
+        `sparse_threads`: a sparse call is many small operations, which a second thread speeds
+        up far less than it costs the other work of the process (benchmarks/service.py
+        --sparse-threads: 32 decode clients, 294 requests/s on one thread, 135 on two). The
+        window's keys among the sealed ones are read exactly here, the others in the open
+        segment."""
+        sealed, n = loaded.sealed, loaded.n_tokens
+        if params.mode == "tail":
+            # Every head in one call (a decode step costs one head's operations).
+            heads = self.cluster_heads(loaded)
+            always = window_and_sinks(n, params.window, params.sinks, q.device)
+            with intra_op_threads(self.sparse_threads):
+                return tail_attention_heads(
+                    q, heads, budget=params.budget, always=always[always < sealed]
+                )
+        indexes = self.search_index(loaded)
+        # The window around each query's position: its keys after `sealed` are dropped here
+        # (candidates past the keys given) and read in the open segment.
+        with intra_op_threads(self.sparse_threads):
+            heads = [
+                self._sparse_head(loaded, q[head], head, indexes[head], params, positions, causal)
+                for head in range(q.shape[0])
+            ]
+        return tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
+
+    def _open_segment(self, loaded, q, positions, causal):
+        """Exact attention over the keys of the open segment (those after `sealed`), `(out,
+        lse)`; a causal query row before the segment sees none of them (`lse = -inf`)."""
+        sealed = loaded.sealed
+        keys, values = loaded.keys[:, sealed:], loaded.values[:, sealed:]
+        if not (causal and positions is not None):
+            return dense_attention(q, keys, values, loaded.geometry)
+        # Rows are consecutive positions ending at `end - 1`; those at or after `sealed` see
+        # the segment's keys up to their position (bottom-right aligned causal mask).
+        end = int(positions[-1]) + 1
+        inside = positions >= sealed
+        out = q.new_zeros(*q.shape[:2], values.shape[-1])
+        lse = q.new_full(q.shape[:2], -torch.inf)
+        if inside.any():
+            out[:, inside], lse[:, inside] = dense_attention(
+                q[:, inside], keys[:, : end - sealed], values[:, : end - sealed],
+                loaded.geometry, causal=True,
+            )  # fmt: skip
+        return out, lse
 
     def _exact(self, loaded, q, positions, causal):
         if causal and positions is not None:
@@ -487,9 +571,10 @@ class Engine:
 
     def _sparse_head(self, loaded, q, head, index, params, positions, causal):
         """One head's causal tail (`index` None: the keys before each segment of queries are
-        clustered per call) or topk (`index`: its search index) attention."""
-        k, v = loaded.keys[head], loaded.values[head]
+        clustered per call, over every key) or topk (`index`: its search index, over the
+        sealed keys) attention."""
         if params.mode == "tail":
+            k, v = loaded.keys[head], loaded.values[head]
             return retrieval_attention(
                 q,
                 k,
@@ -503,10 +588,11 @@ class Engine:
                 causal=causal,
                 positions=positions,
             )
+        sealed = slice(0, loaded.sealed)
         return retrieval_attention(
             q,
-            k,
-            v,
+            loaded.keys[head, sealed],
+            loaded.values[head, sealed],
             loaded.geometry,
             top_k=params.k,
             index=index,
@@ -527,10 +613,27 @@ class Engine:
                 kw = loaded.geometry.witness(loaded.keys[head][top])
                 logits = loaded.geometry.score_at(qw, kw)
             else:
-                logits, top = self.search_index(loaded)[head].search(qw, k)
+                logits, top = self._best_indexed(loaded, qw, head, k)
             ids.append(top)
             scores.append(logits)
         return torch.stack(ids), torch.stack(scores)
+
+    def _best_indexed(self, loaded, qw, head, k):
+        """One head's k best keys `(logits, ids)` by its search index over the sealed keys and
+        by exact scores over the open segment's, `-inf`/`-1` padded."""
+        sealed, n = loaded.sealed, loaded.n_tokens
+        logits = loaded.geometry.score(qw, loaded.geometry.witness(loaded.keys[head, sealed:]))
+        ids = torch.arange(sealed, n, device=qw.device).expand(qw.shape[0], -1)
+        if sealed:
+            found_logits, found = self.search_index(loaded)[head].search(qw, k)
+            found_logits = found_logits.masked_fill(found < 0, -torch.inf)
+            logits, ids = torch.cat([found_logits, logits], -1), torch.cat([found, ids], -1)
+        if logits.shape[-1] < k:
+            pad = (0, k - logits.shape[-1])
+            logits = torch.nn.functional.pad(logits, pad, value=-torch.inf)
+            ids = torch.nn.functional.pad(ids, pad, value=-1)
+        logits, best = logits.topk(k, dim=-1)
+        return logits, ids.gather(-1, best).masked_fill(logits == -torch.inf, -1)
 
     @torch.no_grad()
     def search(

@@ -105,12 +105,15 @@ class IndexState(BaseModel):
     """What this replica holds of a context's latest version: whether it is loaded on the
     device, and which modes have their index built (`tail`: the clusters; `topk`: the search
     index of the context's kind, which `/search` and `return_topk` use too). A mode that is not
-    built is built by its first attend; `seconds` is the time of the build this request ran."""
+    built is built by its first attend; `seconds` is the time of the build this request ran.
+    `sealed_tokens`: the leading tokens the indexes hold (every full segment of
+    `REWA_OPEN_SEGMENT` tokens); the others are read exactly by every query."""
 
     context_id: str
     version: int
     loaded: bool
     built: list[IndexMode]
+    sealed_tokens: int | None = None
     seconds: float | None = None
 
 

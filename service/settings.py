@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rewa.index.growth import OPEN_SEGMENT
+
 MIB = 1 << 20
 
 
@@ -35,6 +37,12 @@ class Settings(BaseSettings):
     )
     build_on_commit: bool = Field(
         True, description="a commit builds (or extends) the new version's index in the background"
+    )
+    open_segment: int = Field(
+        OPEN_SEGMENT,
+        ge=0,
+        description="tokens of a context's last segment read exactly before they are indexed; "
+        "0: index every token",
     )
     sparse_threads: int = Field(
         1,

@@ -128,7 +128,7 @@ def test_the_exact_part_is_masked_dense_attention_with_empty_rows_at_zero(n_keys
 def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_tokens(mode):
     keys, values, queries = _sequence(n=6000)
     geometry = make_geometry("dot", 16)
-    grown = LocalMemory(2, 16, mode=mode)
+    grown = LocalMemory(2, 16, mode=mode, open_segment=500)  # 6000 tokens: every one sealed
     grown.append(keys[:, :2500], values[:, :2500])
     grown.attend(queries)  # builds the indexes over 2500 tokens
     for start in range(2500, 6000, 500):  # extended, and retrained at 4096
@@ -147,33 +147,38 @@ def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_token
 
 
 @pytest.mark.parametrize("mode", ["tail", "topk"])
-def test_recent_tokens_up_to_max_unindexed_are_read_exactly_then_indexed(mode):
+def test_the_open_segment_is_read_exactly_and_indexed_when_it_fills(mode):
     keys, values, queries = _sequence(n=5000)
     geometry = make_geometry("dot", 16)
-    memory = LocalMemory(2, 16, mode=mode, max_unindexed=1000)
-    memory.append(keys[:, :3000], values[:, :3000])
-    memory.attend(queries)  # the index of 3000 tokens
-    memory.append(keys[:, 3000:3600], values[:, 3000:3600])
-    memory.append(keys[:, 3600:4000], values[:, 3600:4000])
-    out, lse = memory.attend(queries)  # 1000 unindexed: still read exactly
+    memory = LocalMemory(2, 16, mode=mode, open_segment=1000)
+    memory.append(keys[:, :2500], values[:, :2500])
+    memory.attend(queries)  # the index of the first 2000 tokens
+    indexes = memory._indexes
+    memory.append(keys[:, 2500:2800], values[:, 2500:2800])
+    memory.append(keys[:, 2800:2999], values[:, 2800:2999])
+    out, lse = memory.attend(queries)  # 999 in the open segment: read exactly
+    assert memory._indexes is indexes  # neither rebuilt nor extended
     options = {"tail": True} if mode == "tail" else {}
     for head in range(2):
-        k, v = keys[head, :3000], values[head, :3000]
+        k, v = keys[head, :2000], values[head, :2000]
         index = KeyClusters.build(geometry.witness(k), v, geometry) if mode == "tail" else "ivf"
         indexed = retrieval_attention(queries[head], k, v, geometry, index=index, **options)
         recent = dense_attention(
-            queries[head], keys[head, 3000:4000], values[head, 3000:4000], geometry
+            queries[head], keys[head, 2000:2999], values[head, 2000:2999], geometry
         )
         expected = merge_attention(indexed, recent)
         torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
-    memory.append(keys[:, 4000:4001], values[:, 4000:4001])  # one more: indexed now
+    at_once = LocalMemory(2, 16, mode=mode, open_segment=1000)  # how tokens arrive: no matter
+    at_once.append(keys[:, :2999], values[:, :2999])
+    torch.testing.assert_close((out, lse), at_once.attend(queries), rtol=1e-5, atol=1e-5)
+    memory.append(keys[:, 2999:3000], values[:, 2999:3000])  # the segment fills: indexed now
     out, lse = memory.attend(queries)
-    every = LocalMemory(2, 16, mode=mode)
-    every.append(keys[:, :4001], values[:, :4001])
+    every = LocalMemory(2, 16, mode=mode, open_segment=0)
+    every.append(keys[:, :3000], values[:, :3000])
     torch.testing.assert_close((out, lse), every.attend(queries), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="max_unindexed"):
-        LocalMemory(2, 16, max_unindexed=-1)
+    with pytest.raises(ValueError, match="open_segment"):
+        LocalMemory(2, 16, open_segment=-1)
 
 
 def test_local_and_remote_memories_compute_the_same_attention(server):
@@ -256,8 +261,9 @@ def test_a_tail_memory_at_two_percent_keeps_the_argmax_of_full_attention(
     model = models[1]
     client = Client(server.url) if where == "http" else None
     memories = (
-        # Every spill indexed, as the service does: the test is of tail, not of exact reads.
-        local_memories(mode="tail", budget=0.02, max_unindexed=0)
+        # Every spill indexed: the test is of tail, not of exact reads (over HTTP the open
+        # segment, up to 2047 of the memory's 3500 keys, is read exactly).
+        local_memories(mode="tail", budget=0.02, open_segment=0)
         if client is None
         else remote_memories(client, mode="tail", budget=0.02)
     )

@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from rewa.attention import GeometricAttention, dense_attention, make_geometry
+from rewa.attention import GeometricAttention, dense_attention, make_geometry, merge_attention
 from rewa.index import (
     KeyClusters,
     LocalMemory,
     build_index,
     causal_tail_attention,
     retrieval_attention,
+    sealed_keys,
 )
 from tests.service_support import (
     REDIS_URL,
@@ -72,7 +73,8 @@ def test_full_lifecycle_matches_the_library(server, data):
         assert client.get(f"/v1/contexts/{context['id']}").json()["n_tokens"] == N
 
         # exact == dense attention; topk == retrieval attention over the same IVF index;
-        # tail (the default) == the library's cluster-tail attention.
+        # tail (the default) == the library's cluster-tail attention. The indexes hold the
+        # 2048 keys of the full segment; the open segment's 952 are read exactly.
         out, lse, body = attend(client, context["id"], queries, mode="exact")
         expected = dense_attention(queries, keys, values, geometry)
         torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
@@ -84,16 +86,22 @@ def test_full_lifecycle_matches_the_library(server, data):
         out, lse, _ = attend(client, context["id"], queries, mode="topk")
         out_tail, lse_tail, body = attend(client, context["id"], queries)
         assert body["mode"] == "tail"
+        sealed = sealed_keys(N)
+        assert sealed == 2048
         for head in range(H):
-            index = build_index(keys[head], geometry, "ivf")
-            ref = retrieval_attention(
-                queries[head], keys[head], values[head], geometry, top_k=32, index=index
+            k, v = keys[head, :sealed], values[head, :sealed]
+            recent = dense_attention(queries[head], keys[head, sealed:], values[head, sealed:],
+                                     geometry)  # fmt: skip
+            index = build_index(k, geometry, "ivf")
+            ref = merge_attention(
+                retrieval_attention(queries[head], k, v, geometry, top_k=32, index=index), recent
             )
             torch.testing.assert_close(out[head], ref[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse[head], ref[1], rtol=1e-5, atol=1e-5)
-            clusters = KeyClusters.build(geometry.witness(keys[head]), values[head], geometry)
-            ref = retrieval_attention(
-                queries[head], keys[head], values[head], geometry, index=clusters, tail=True
+            clusters = KeyClusters.build(geometry.witness(k), v, geometry)
+            ref = merge_attention(
+                retrieval_attention(queries[head], k, v, geometry, index=clusters, tail=True),
+                recent,
             )
             torch.testing.assert_close(out_tail[head], ref[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse_tail[head], ref[1], rtol=1e-5, atol=1e-5)
@@ -414,7 +422,8 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
                 break
             time.sleep(0.05)
         assert state == {"context_id": context["id"], "version": committed["version"],
-                         "loaded": True, "built": ["tail"], "seconds": None}  # fmt: skip
+                         "loaded": True, "built": ["tail"], "sealed_tokens": 2048,
+                         "seconds": None}  # fmt: skip
         # Waiting for another mode: the request answers once it is built.
         response = client.post(url, json={"modes": ["topk", "tail"]})
         assert response.status_code == 200, response.text
@@ -511,7 +520,7 @@ def test_a_context_with_a_trained_geometry_computes_what_the_trained_layer_compu
     seeded = make_geometry("product", D).state_dict()
     assert any(not torch.equal(state[name], seeded[name]) for name in state)
     with torch.no_grad():
-        x = torch.randn(1, 1500, 64, generator=torch.Generator().manual_seed(2))
+        x = torch.randn(1, 2500, 64, generator=torch.Generator().manual_seed(2))  # 2048 sealed
         q, k, v = (
             layer._split_heads(proj(x))[0] for proj in (layer.q_proj, layer.k_proj, layer.v_proj)
         )
@@ -554,7 +563,7 @@ def test_a_context_with_a_trained_geometry_computes_what_the_trained_layer_compu
 
 
 def test_a_multi_layer_document_is_uploaded_appended_attended_by_layer_and_deleted_whole(server):
-    layers, heads, n = 3, 2, 1800
+    layers, heads, n = 3, 2, 2100
     generator = torch.Generator().manual_seed(9)
     keys = torch.randn(layers * heads, n + 1, D, generator=generator)
     values = torch.randn(layers * heads, n + 1, D, generator=generator)
@@ -574,10 +583,13 @@ def test_a_multi_layer_document_is_uploaded_appended_attended_by_layer_and_delet
             torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
             out, _, _ = attend(client, document["id"], queries, layer=layer)  # tail
+            sealed = slice(0, sealed_keys(n + 1))  # 2048, the same as version 1's
             for head in range(heads):
-                clusters = KeyClusters.build(geometry.witness(k[head]), v[head], geometry)
-                tail = retrieval_attention(
-                    queries[head], k[head], v[head], geometry, index=clusters, tail=True
+                ks, vs = k[head, sealed], v[head, sealed]
+                clusters = KeyClusters.build(geometry.witness(ks), vs, geometry)
+                tail = merge_attention(
+                    retrieval_attention(queries[head], ks, vs, geometry, index=clusters, tail=True),
+                    dense_attention(queries[head], k[head, 2048:], v[head, 2048:], geometry),
                 )
                 torch.testing.assert_close(out[head], tail[0], rtol=1e-5, atol=1e-5)
             found = client.post(

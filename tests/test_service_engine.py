@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rewa.index import KeyClusters, retrieval_attention
+from rewa.attention import dense_attention, make_geometry, merge_attention
+from rewa.index import OPEN_SEGMENT, KeyClusters, retrieval_attention, tail_attention
 from rewa.service import engine as engine_module
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import AttendParams, Engine, intra_op_threads, resolve_device
 
 H, N, D = 2, 600, 8
+SEGMENT = 256  # the indexes hold the first 512 of the N keys; the other 88 are read exactly
 
 
 def _committed_record(store, name, seed, geometry=None, kind="flat", options=None):
@@ -42,11 +44,16 @@ def _committed_record(store, name, seed, geometry=None, kind="flat", options=Non
     return store.commit("ns", name, upload, 10**6)
 
 
+def _engine(store, cache_bytes=1 << 30, store_indexes=False, **options) -> Engine:
+    return Engine(store, device=torch.device("cpu"), cache_bytes=cache_bytes,
+                  store_indexes=store_indexes, **{"open_segment": SEGMENT, **options})  # fmt: skip
+
+
 def test_the_cache_evicts_the_least_recently_used_context_over_budget():
     store = EmbeddedStore()
     first, second = _committed_record(store, "a", 1), _committed_record(store, "b", 2)
     one_context = 2 * H * N * D * 4
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=one_context, store_indexes=False)
+    engine = _engine(store, cache_bytes=one_context)
     loaded = engine.context("ns", first)
     assert engine.context("ns", first) is loaded  # a hit
     engine.context("ns", second)
@@ -59,12 +66,11 @@ def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     record = _committed_record(store, "a", 3)
     params = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
     queries = torch.randn(H, 4, D)
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=True)
+    engine = _engine(store, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
-    assert store.get_blob("ns", "a", f"clusters{KeyClusters.FORMAT}-v1-h0.npz") is not None
+    assert store.get_blob("ns", "a", f"clusters{KeyClusters.FORMAT}-v1-n512-h0.npz") is not None
     # Another replica on the same store loads the clusters instead of rebuilding them.
-    other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
-                   store_indexes=True)  # fmt: skip
+    other = _engine(EmbeddedStore(tmp_path), store_indexes=True)
     loaded = other.context("ns", record)
     clusters = other.clusters(loaded)
     original = engine.clusters(engine.context("ns", record))
@@ -109,12 +115,11 @@ def test_sparse_attention_runs_on_sparse_threads_and_builds_indexes_on_all(monke
     )
     monkeypatch.setattr(KeyClusters, "build", spy("clusters", KeyClusters.build))
     monkeypatch.setattr(engine_module, "build_index", spy("index", engine_module.build_index))
-    reference = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    reference = _engine(store)
     expected = reference.attend(reference.context("ns", record), queries, params)
     for name in seen:
         seen[name].clear()
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False,
-                    sparse_threads=1)  # fmt: skip
+    engine = _engine(store, sparse_threads=1)
     with intra_op_threads(before):
         result = engine.attend(engine.context("ns", record), queries, params)
         assert torch.get_num_threads() == before
@@ -153,13 +158,12 @@ def test_search_indexes_are_built_once_and_shared_through_the_store(
     record = _committed_record(store, "a", 4, geometry, kind, options)
     params = AttendParams(mode="topk", k=16, budget=0.1, window=0, sinks=0)
     queries = torch.randn(H, 5, D)
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=True)
+    engine = _engine(store, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
     found = engine.search(engine.context("ns", record), queries, 8, exact=False)
-    blob = store.get_blob("ns", "a", f"{kind}-v1-h1.npz")
+    blob = store.get_blob("ns", "a", f"{kind}-v1-n512-h1.npz")
     assert blob is not None
-    other = Engine(EmbeddedStore(tmp_path), device=torch.device("cpu"), cache_bytes=1 << 30,
-                   store_indexes=True)  # fmt: skip
+    other = _engine(EmbeddedStore(tmp_path), store_indexes=True)
     built = []
     monkeypatch.setattr("rewa.service.engine.build_index", lambda *a, **k: built.append(a))
     loaded = other.context("ns", record)
@@ -172,8 +176,9 @@ def test_search_indexes_are_built_once_and_shared_through_the_store(
 
 
 def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
-    """Single-token commits: each new version is made from the cached one (buffers and indexes
-    extended, across a retraining at 4096 keys) and answers exactly as a version loaded and
+    """Single-token commits: each new version is made from the cached one (buffers appended;
+    the indexes passed on while the open segment of the default 2048 tokens fills, extended when
+    it fills at 4096 keys, across a retraining) and answers exactly as a version loaded and
     indexed from scratch."""
     store = EmbeddedStore()
     generator = torch.Generator().manual_seed(5)
@@ -192,7 +197,7 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
         store.add_chunk("ns", "grow", upload, data, stop - start)
         return store.commit("ns", "grow", upload, 10**6)
 
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    engine = _engine(store, open_segment=OPEN_SEGMENT)
     queries = torch.randn(H, 5, D, generator=generator)
     every_mode = [
         AttendParams(mode=mode, k=16, budget=0.05, window=0, sinks=0, return_topk=4)
@@ -201,14 +206,18 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
     record = commit(0, n0)
     for params in every_mode:
         engine.attend(engine.context("ns", record), queries, params)
+    earlier = engine.context("ns", record)
     for n in range(n0, n0 + appends):
         record = commit(n, n + 1)
         loaded = engine.context("ns", record)
-        assert loaded.clusters is not None and "ivf" in loaded.search_indexes  # extended
+        assert loaded.clusters is not None and "ivf" in loaded.search_indexes
+        assert loaded.sealed == (2048 if n + 1 < 4096 else 4096)
+        passed_on = loaded.sealed == earlier.sealed
+        assert (loaded.clusters is earlier.clusters) == passed_on  # else extended
+        earlier = loaded
         assert [key[2] for key in engine._cache] == [record["version"]]
         torch.testing.assert_close(loaded.keys, keys[:, : n + 1], rtol=0, atol=0)
-        fresh = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30,
-                       store_indexes=False)  # fmt: skip
+        fresh = _engine(store, open_segment=OPEN_SEGMENT)
         for params in every_mode:
             got = engine.attend(loaded, queries, params)
             expected = fresh.attend(fresh.context("ns", record), queries, params)
@@ -220,7 +229,7 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
 def test_an_append_after_the_cached_version_was_evicted_loads_afresh():
     store = EmbeddedStore()
     record = _committed_record(store, "a", 7)
-    engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30, store_indexes=False)
+    engine = _engine(store)
     engine.context("ns", record)
     engine.forget("ns", "a")
     upload = store.begin_upload("ns", "a")
@@ -229,3 +238,52 @@ def test_an_append_after_the_cached_version_was_evicted_loads_afresh():
     loaded = engine.context("ns", record)
     assert loaded.n_tokens == N + 1 and loaded.clusters is None
     assert torch.equal(loaded.keys[:, -1], torch.ones(H, D))
+
+
+def test_the_open_segment_is_read_exactly_and_merged_with_the_indexed_keys():
+    """The indexes hold the first 512 keys (two segments of 256); every query reads the other
+    88 exactly. Tail and topk equal the library over the sealed keys merged with dense
+    attention over the rest; topk reading every sealed key (k >= 512) is dense attention, causal
+    rows on both sides of the seal included; return_topk ranks the open segment's keys too."""
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 11)
+    generator = torch.Generator().manual_seed(12)
+    keys, values = _stored(store, record)
+    geometry = make_geometry("dot", D)
+    queries = torch.randn(H, 4, D, generator=generator)
+    engine = _engine(store)
+    loaded = engine.context("ns", record)
+    assert loaded.sealed == 512
+    recent = dense_attention(queries, keys[:, 512:], values[:, 512:], geometry)
+    tail = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    got = engine.attend(loaded, queries, tail)
+    for head in range(H):
+        clusters = KeyClusters.build(geometry.witness(keys[head, :512]), values[head, :512],
+                                     geometry)  # fmt: skip
+        expected = merge_attention(
+            tail_attention(queries[head], clusters, budget=0.1),
+            (recent[0][head], recent[1][head]),
+        )
+        torch.testing.assert_close(got["out"][head], expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["lse"][head], expected[1], rtol=1e-5, atol=1e-6)
+    every = AttendParams(mode="topk", k=1024, budget=0.1, window=0, sinks=0, return_topk=5)
+    got = engine.attend(loaded, queries, every)
+    dense = dense_attention(queries, keys, values, geometry)
+    torch.testing.assert_close(got["out"], dense[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["lse"], dense[1], rtol=1e-5, atol=1e-6)
+    best = (queries @ keys.transpose(1, 2)).topk(5)
+    assert (best.indices >= 512).any()  # the open segment's keys are among the best
+    assert torch.equal(got["ids"], best.indices)
+    rows = torch.arange(500, 530)  # 12 rows before the seal, 18 after
+    got = engine.attend(loaded, keys[:, rows], every, positions=rows, causal=True)
+    causal = dense_attention(keys[:, rows], keys[:, :530], values[:, :530], geometry, causal=True)
+    torch.testing.assert_close(got["out"], causal[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["lse"], causal[1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="segment"):
+        _engine(store, open_segment=-1)
+
+
+def _stored(store, record) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a committed record, as the engine reads them."""
+    loaded = _engine(store, open_segment=0).context("ns", record)
+    return loaded.keys, loaded.values

@@ -168,7 +168,8 @@ def test_local_memory_attends_every_head_in_one_call(monkeypatch):
     equal to a call per head over each head's clusters."""
     geometry = make_geometry("dot", DIM)
     queries, keys, values, _ = _heads(geometry, dtype=torch.float32)
-    memory = LocalMemory(HEADS, DIM, value_dim=VALUE_DIM, mode="tail", budget=0.05)
+    memory = LocalMemory(HEADS, DIM, value_dim=VALUE_DIM, mode="tail", budget=0.05,
+                         open_segment=0)  # fmt: skip
     memory.append(keys, values)
     calls = []
     original = tail_module.tail_attention_heads
