@@ -145,19 +145,21 @@ class LocalMemory:
         q = queries.detach().to(self.device, torch.float32)
         if self.mode == "exact":
             return dense_attention(q, self.keys, self.values, self.geometry)
-        recent = slice(sealed_keys(self._n_tokens, self.open_segment), self._n_tokens)
-        out, lse = dense_attention(
-            q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
-        )
         indexes = self._current_indexes()
-        if not indexes:
-            return out, lse
-        if self.mode == "tail":
-            indexed = tail_attention_heads(q, self._cluster_heads, budget=self.budget)
-        else:
+        parts = []
+        if self.mode == "tail" and indexes:
+            parts.append(tail_attention_heads(q, self._cluster_heads, budget=self.budget))
+        elif indexes:
             heads = [self._topk_head(q[head], head, indexes[head]) for head in range(self.heads)]
-            indexed = tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
-        return merge_attention(indexed, (out, lse))
+            parts.append(tuple(torch.stack(part) for part in zip(*heads, strict=True)))
+        if self._indexed < self._n_tokens or not parts:  # the open segment, read exactly
+            recent = slice(self._indexed, self._n_tokens)
+            parts.append(
+                dense_attention(
+                    q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
+                )
+            )
+        return merge_attention(*parts) if len(parts) > 1 else parts[0]
 
     __call__ = attend
 

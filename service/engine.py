@@ -92,8 +92,10 @@ GEOMETRY_SEED = 0
 
 
 def _index_bytes(loaded: LoadedContext) -> int:
-    """Memory of the KeyClusters a loaded context holds (search indexes are not counted)."""
-    return sum(clusters.nbytes for clusters in loaded.clusters or [])
+    """Memory of the KeyClusters a loaded context holds, stacked ones included (search indexes
+    are not counted)."""
+    stacked = loaded.cluster_heads.nbytes if loaded.cluster_heads is not None else 0
+    return stacked + sum(clusters.nbytes for clusters in loaded.clusters or [])
 
 
 def geometry_of(spec: dict, head_dim: int) -> Geometry:
@@ -505,12 +507,12 @@ class Engine:
                     for head in range(q.shape[0])
                 ]
             return tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
-        out, lse = self._open_segment(loaded, q, positions, causal)
+        parts = []
         if loaded.sealed:
-            out, lse = merge_attention(
-                self._sealed_part(loaded, q, params, positions, causal), (out, lse)
-            )
-        return out, lse
+            parts.append(self._sealed_part(loaded, q, params, positions, causal))
+        if loaded.sealed < loaded.n_tokens or not parts:
+            parts.append(self._open_segment(loaded, q, positions, causal))
+        return merge_attention(*parts) if len(parts) > 1 else parts[0]
 
     def _sealed_part(self, loaded, q, params, positions, causal):
         """Tail (non-causal) or topk attention over the sealed keys: `(out, lse)`.
