@@ -43,6 +43,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from rewa.clients import Client
 from rewa.llm import RewaCache, enable, local_memories, remote_memories
 from rewa.llm.transformers_memory import MemoryLayer
+from rewa.service.settings import EXACT_WHILE_BUILDING
 from tests.service_support import Server
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -234,7 +235,8 @@ def main() -> None:
     result["layer_step_diffuse"] = diffuse
     print("local, diffuse queries", diffuse, flush=True)
     if not args.no_http:
-        server = Server().start()
+        # The service's defaults (the test helper's attends would wait for every build).
+        server = Server(exact_while_building=EXACT_WHILE_BUILDING).start()
         try:
             with Client(server.url, timeout=600) as client:
                 memories = remote_memories(client, mode="tail", budget=args.budget)

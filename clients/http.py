@@ -277,7 +277,7 @@ class _Operations:
 
     def index_state(self, context_id: str) -> Operation:
         """What the replica that answers holds of the latest version: `{"loaded", "built",
-        "sealed_tokens"}`."""
+        "building", "sealed_tokens"}` (modes built, modes being built)."""
         response = yield _Request("GET", f"/v1/contexts/{context_id}/index")
         return response.json()
 

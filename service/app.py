@@ -52,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store_indexes=settings.store_indexes,
         sparse_threads=settings.sparse_threads,
         open_segment=settings.open_segment,
+        exact_while_building=settings.exact_while_building,
         metrics=metrics,
     )
     batcher = Batcher(
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for task in list(running.state.background_tasks):
             task.cancel()
         await batcher.stop()
+        engine.close()
 
     # /docs and /redoc with their scripts served by the service itself (no CDN: it works offline).
     app = FastAPIOffline(

@@ -1,7 +1,9 @@
 """The compute engine: loads committed contexts from the store onto the device, builds their
 indexes once per context version, keeps both in an LRU cache under a memory budget, and runs
 attention, search and self-attention. Every method here is synchronous and runs on the device
-worker thread (`batcher.Batcher`), never on the event loop.
+worker thread (`batcher.Batcher`), never on the event loop; index builds run on the engine's
+own build thread, and an attend does not wait for one (docs/indexes.md, "Builds in the
+background").
 
 Per head of a context version the engine may hold a `KeyClusters` (tail mode) and a search
 index of the context's kind (topk mode, search, and the ids of `return_topk`); both are put in
@@ -12,9 +14,10 @@ The indexes hold the keys of a version's full segments of `open_segment` tokens
 with the indexed answer (docs/indexes.md, "The open segment"). A commit appends tokens. When an
 earlier version of the context is cached, the new version is made from it: only the new
 segments are read from the store, keys and values are appended to buffers with spare capacity,
-and the indexes built so far pass to it unchanged, or, when a segment filled, are extended with
-its keys (`extend`: an assignment per key; retraining only when the trained prefix moves), which
-gives what a build over the whole version gives (docs/indexes.md, "Appends").
+and the indexes built so far pass to it unchanged, or, when a segment filled, its build extends
+them with the segment's keys (`extend`: an assignment per key; retraining only when the trained
+prefix moves), which gives what a build over the whole version gives (docs/indexes.md,
+"Appends"); until then the earlier version's indexes answer, the keys after them read exactly.
 
 A context's geometry is its spec's, built from a fixed seed, with the trained state the context
 carries (`GEOMETRY_STATE`) loaded over it. A multi-layer document is one context whose stored
@@ -27,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -56,10 +60,12 @@ from rewa.index import (
     window_and_sinks,
 )
 
+from .settings import EXACT_WHILE_BUILDING
 from .store import ContextStore, stored_heads
 from .wire import FLOAT_DTYPES
 
 ContextKey = tuple[str, str, int]  # namespace, context id, version
+MODES = ("tail", "topk")  # the modes that read an index
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -94,7 +100,7 @@ GEOMETRY_SEED = 0
 def _index_bytes(loaded: LoadedContext) -> int:
     """Memory of the KeyClusters a loaded context holds, stacked ones included (search indexes
     are not counted)."""
-    stacked = loaded.cluster_heads.nbytes if loaded.cluster_heads is not None else 0
+    stacked = sum(heads.nbytes for heads in loaded.layer_heads.values())
     return stacked + sum(clusters.nbytes for clusters in loaded.clusters or [])
 
 
@@ -145,7 +151,6 @@ class LoadedContext:
     # The indexes hold the first `sealed` tokens (`sealed_keys`); the rest are read exactly.
     sealed: int = 0
     clusters: list[KeyClusters] | None = None  # per head; [] when nothing is sealed
-    cluster_heads: ClusterHeads | None = None  # `clusters` stacked (`Engine.cluster_heads`)
     search_indexes: dict[str, list] = field(default_factory=dict)
     nbytes: int = 0
     # `keys` and `values` are the first n_tokens of these (spare capacity for appends).
@@ -154,6 +159,14 @@ class LoadedContext:
     # A layer of a multi-layer document: the heads `heads` of `parent` (`Engine.layer`).
     parent: LoadedContext | None = None
     heads: slice | None = None
+    # The version this one was made from, kept while this one's indexes are being built: its
+    # indexes (or its own `earlier`'s) answer meanwhile (`Engine._serving`).
+    earlier: LoadedContext | None = None
+    # Per mode ("tail", "topk"), the build of this version's index on the build thread.
+    builds: dict[str, Future] = field(default_factory=dict)
+    # `clusters` stacked for `tail_attention_heads`, by the (start, stop) of the heads read
+    # together (a layer's, for a document; `Engine._index_view`).
+    layer_heads: dict[tuple[int, int], ClusterHeads] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -183,11 +196,17 @@ class Engine:
         store_indexes: bool,
         sparse_threads: int = 0,
         open_segment: int = OPEN_SEGMENT,
+        exact_while_building: int = EXACT_WHILE_BUILDING,
         metrics=None,
     ) -> None:
         sealed_keys(0, open_segment)  # a negative segment: ValueError
+        if exact_while_building < 0:
+            raise ValueError(
+                f"expected exact_while_building >= 0 query-key pairs, got {exact_while_building}"
+            )
         self.store = store
         self.open_segment = open_segment
+        self.exact_while_building = exact_while_building
         self.device = device
         self.cache_bytes = cache_bytes
         self.store_indexes = store_indexes
@@ -195,6 +214,11 @@ class Engine:
         self.metrics = metrics
         self._cache: OrderedDict[ContextKey, LoadedContext] = OrderedDict()
         self._lock = threading.Lock()
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-build")
+
+    def close(self) -> None:
+        """Stop the build thread (a build under way finishes; queued ones are dropped)."""
+        self._builder.shutdown(wait=True, cancel_futures=True)
 
     # -- loading and caching ----------------------------------------------------------------
 
@@ -298,8 +322,9 @@ class Engine:
 
     def _extended(self, earlier: LoadedContext, namespace: str, record: dict) -> LoadedContext:
         """The record's version made from an earlier one: the new segments read and appended,
-        the indexes built so far passed on, extended with the keys of the segments that filled
-        (`sealed_keys`)."""
+        the indexes built so far passed on when no segment filled; when one did, they are
+        extended with its keys by this version's build (`_build`), and the earlier version's
+        answer meanwhile."""
         new_segments = record["segments"][len(earlier.record["segments"]) :]
         new_k, new_v = self._read_segments(namespace, record, new_segments)
         n_old, n = earlier.n_tokens, earlier.n_tokens + new_k.shape[1]
@@ -314,35 +339,14 @@ class Engine:
             sealed=sealed_keys(n, self.open_segment),
             key_buffer=key_buffer,
             value_buffer=value_buffer,
+            earlier=earlier,
         )
         if loaded.sealed == earlier.sealed:
-            loaded.clusters, loaded.cluster_heads = earlier.clusters, earlier.cluster_heads
-            loaded.search_indexes = earlier.search_indexes
-        else:
-            self._extend_indexes(earlier, loaded)
+            loaded.clusters, loaded.layer_heads = earlier.clusters, earlier.layer_heads
+            loaded.search_indexes = dict(earlier.search_indexes)
+        self._release_earlier(loaded)
         loaded.nbytes = key_buffer.nbytes + value_buffer.nbytes + _index_bytes(loaded)
         return loaded
-
-    def _extend_indexes(self, earlier: LoadedContext, loaded: LoadedContext) -> None:
-        """Extend the indexes `earlier` built to the keys `loaded` seals; ones over no key
-        (nothing was sealed) are left to be built when needed."""
-        start = time.perf_counter()
-        new = slice(earlier.sealed, loaded.sealed)
-        with torch.no_grad():
-            witness = loaded.geometry.witness
-            if earlier.clusters:
-                loaded.clusters = [
-                    clusters.extend(witness(loaded.keys[head, new]), loaded.values[head, new])
-                    for head, clusters in enumerate(earlier.clusters)
-                ]
-            for kind, indexes in earlier.search_indexes.items():
-                if not indexes:
-                    continue
-                for head, index in enumerate(indexes):
-                    index.extend(witness(loaded.keys[head, : loaded.sealed]))
-                loaded.search_indexes[kind] = indexes
-        if loaded.clusters is not None or loaded.search_indexes:
-            self._observe_build("extend", time.perf_counter() - start)
 
     def _evict(self) -> None:
         """Drop least recently used contexts while over the budget (never the newest)."""
@@ -366,18 +370,134 @@ class Engine:
             self.metrics.count(name)
 
     # -- indexes ----------------------------------------------------------------------------
+    #
+    # Indexes are built on the build thread (`_builder`), never on the device worker: an
+    # attend that needs an index still being built does not wait for it (unless reading the
+    # keys it does not cover exactly would cost more than `exact_while_building` query-key
+    # pairs), it reads what the newest built index of an earlier version covers through that
+    # index and everything after it exactly (docs/indexes.md, "Builds in the background").
 
-    def clusters(self, loaded: LoadedContext) -> list[KeyClusters]:
-        """Per-head `KeyClusters` of the sealed keys, built once per version (or loaded from
-        the store); [] when no key is sealed."""
-        if loaded.clusters is not None:
+    def _built(self, loaded: LoadedContext, mode: str):
+        """This version's index of `mode` over its `sealed` keys (per-head `KeyClusters` for
+        tail, per-head search indexes for topk), or None while it is not built."""
+        if mode == "tail":
             return loaded.clusters
-        if loaded.parent is not None:
-            loaded.clusters = self.clusters(loaded.parent)[loaded.heads]
-            return loaded.clusters
+        return loaded.search_indexes.get(loaded.record["index"]["kind"])
+
+    def _start_build(self, loaded: LoadedContext, mode: str) -> Future:
+        """The build of `mode`'s index of this version (a document's, for a layer) on the build
+        thread, started now unless it was; a build that failed is started again."""
+        root = loaded.parent or loaded
+        with self._lock:
+            build = root.builds.get(mode)
+            if build is None or (build.done() and build.exception() is not None):
+                build = self._builder.submit(self._build, root, mode)
+                root.builds[mode] = build
+        return build
+
+    def _raise_failed_build(self, root: LoadedContext, mode: str) -> None:
+        """Raise the error of `mode`'s build if it failed, forgetting it (the next attend
+        starts it again)."""
+        with self._lock:
+            build = root.builds.get(mode)
+            if build is None or not build.done() or build.exception() is None:
+                return
+            del root.builds[mode]
+        raise build.exception()
+
+    def start_builds(self, loaded: LoadedContext, modes: list[str]) -> list[Future]:
+        """Start the builds of what the modes need (the clusters for tail, the search index for
+        topk), so that attends find them built; what is built already stays."""
+        return [self._start_build(loaded, mode) for mode in modes]
+
+    def build_indexes(self, loaded: LoadedContext, modes: list[str]) -> None:
+        """`start_builds`, then wait for them (their error, if one failed)."""
+        for build in self.start_builds(loaded, modes):
+            build.result()
+
+    def _build(self, loaded: LoadedContext, mode: str) -> None:
+        """On the build thread: this version's index of `mode`, the newest earlier version's
+        that covers as many keys passed on, one over fewer keys extended (a copy: the earlier
+        one keeps answering meanwhile), else built (or loaded from the store)."""
+        if self._built(loaded, mode) is not None:
+            return
+        start = time.perf_counter()
+        with torch.no_grad():
+            base = self._earlier_built(loaded, mode)
+            if base is not None and base.sealed == loaded.sealed:
+                built, kind = self._built(base, mode), None
+            elif base is not None and base.sealed:
+                built, kind = self._extend(base, loaded, mode), "extend"
+            elif mode == "tail":
+                built, kind = self._build_clusters(loaded), "clusters"
+            else:
+                built, kind = self._build_search(loaded), loaded.record["index"]["kind"]
+        if mode == "tail":
+            # Stacked here, not by the first attend: 0.7 s at 131,072 keys and 4 heads.
+            loaded.layer_heads = base.layer_heads if kind is None else self._stacked(loaded, built)
+            loaded.nbytes += sum(c.nbytes for c in built)
+            loaded.nbytes += sum(heads.nbytes for heads in loaded.layer_heads.values())
+            loaded.clusters = built
+        else:
+            loaded.search_indexes[loaded.record["index"]["kind"]] = built
+        if kind is not None and built:
+            self._observe_build(kind, time.perf_counter() - start)
+        self._release_earlier(loaded)
+
+    def _stacked(
+        self, loaded: LoadedContext, clusters: list[KeyClusters]
+    ) -> dict[tuple[int, int], ClusterHeads]:
+        """`clusters` stacked per layer (per context: one layer), as `_index_view` reads them."""
+        per_layer = loaded.record["heads"]
+        spans = [(start, start + per_layer) for start in range(0, len(clusters), per_layer)]
+        return {span: ClusterHeads.stacked(clusters[slice(*span)]) for span in spans}
+
+    def _earlier_built(self, loaded: LoadedContext, mode: str) -> LoadedContext | None:
+        """The newest earlier version this one was made from whose index of `mode` is built."""
+        earlier = loaded.earlier
+        while earlier is not None and self._built(earlier, mode) is None:
+            earlier = earlier.earlier
+        return earlier
+
+    def _release_earlier(self, loaded: LoadedContext) -> None:
+        """Forget the earlier versions once this one has built every index they have built
+        or are building."""
+        pending = [mode for mode in MODES if self._built(loaded, mode) is None]
+        earlier = loaded.earlier
+        while earlier is not None and pending:
+            builds = (earlier.parent or earlier).builds
+            if any(self._built(earlier, mode) is not None or mode in builds for mode in pending):
+                return
+            earlier = earlier.earlier
+        loaded.earlier = None
+
+    def _extend(self, base: LoadedContext, loaded: LoadedContext, mode: str) -> list:
+        """`base`'s index of `mode` extended to the keys `loaded` seals; `base`'s is not
+        changed (clusters extend into new objects, search indexes are copied first)."""
+        witness = loaded.geometry.witness
+        new = slice(base.sealed, loaded.sealed)
+        if mode == "tail":
+            return [
+                clusters.extend(witness(loaded.keys[head, new]), loaded.values[head, new])
+                for head, clusters in enumerate(base.clusters)
+            ]
+        spec = loaded.record["index"]
+        options = dict(spec.get("options") or {})
+        extended = []
+        for head, index in enumerate(self._built(base, mode)):
+            copy = index_from_bytes(
+                index_to_bytes(index), base.keys[head, : base.sealed], loaded.geometry,
+                spec["kind"], **options,
+            )  # fmt: skip
+            copy.extend(witness(loaded.keys[head, : loaded.sealed]))
+            extended.append(copy)
+        return extended
+
+    def _build_clusters(self, loaded: LoadedContext) -> list[KeyClusters]:
+        """Per-head `KeyClusters` of the sealed keys (or loaded from the store); [] when no key
+        is sealed."""
         namespace, context_id, version = loaded.key
         built = []
-        start = time.perf_counter()
         sealed = loaded.sealed
         for head in range(loaded.keys.shape[0] if sealed else 0):
             name = f"clusters{KeyClusters.FORMAT}-v{version}-n{sealed}-h{head}.npz"
@@ -385,45 +505,25 @@ class Engine:
             if blob is not None:
                 built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
                 continue
-            with torch.no_grad():
-                clusters = KeyClusters.build(
-                    loaded.geometry.witness(loaded.keys[head, :sealed]),
-                    loaded.values[head, :sealed],
-                    loaded.geometry,
-                    device=self.device.type,
-                )
+            clusters = KeyClusters.build(
+                loaded.geometry.witness(loaded.keys[head, :sealed]),
+                loaded.values[head, :sealed],
+                loaded.geometry,
+                device=self.device.type,
+            )
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, clusters.to_bytes())
             built.append(clusters)
-        if built:
-            self._observe_build("clusters", time.perf_counter() - start)
-        loaded.clusters = built
-        loaded.nbytes += sum(c.nbytes for c in built)
         return built
 
-    def cluster_heads(self, loaded: LoadedContext) -> ClusterHeads:
-        """The heads' `KeyClusters` (`clusters`) stacked for `tail_attention_heads`, once per
-        version."""
-        if loaded.cluster_heads is None:
-            loaded.cluster_heads = ClusterHeads.stacked(self.clusters(loaded))
-            loaded.nbytes += loaded.cluster_heads.nbytes
-        return loaded.cluster_heads
-
-    def search_index(self, loaded: LoadedContext) -> list:
-        """Per-head search indexes of the context's kind over the sealed keys, built once per
-        version (or loaded from the store, where another replica put them); [] when no key is
-        sealed."""
+    def _build_search(self, loaded: LoadedContext) -> list:
+        """Per-head search indexes of the context's kind over the sealed keys (or loaded from
+        the store, where another replica put them); [] when no key is sealed."""
         spec = loaded.record["index"]
         kind = spec["kind"]
-        if kind in loaded.search_indexes:
-            return loaded.search_indexes[kind]
-        if loaded.parent is not None:
-            loaded.search_indexes[kind] = self.search_index(loaded.parent)[loaded.heads]
-            return loaded.search_indexes[kind]
         namespace, context_id, version = loaded.key
         options = dict(spec.get("options") or {})
         indexes = []
-        start = time.perf_counter()
         sealed = loaded.sealed
         for head in range(loaded.keys.shape[0] if sealed else 0):
             name = f"{kind}-v{version}-n{sealed}-h{head}.npz"
@@ -436,32 +536,60 @@ class Engine:
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, index_to_bytes(index))
             indexes.append(index)
-        if indexes:
-            self._observe_build(kind, time.perf_counter() - start)
-        loaded.search_indexes[kind] = indexes
         return indexes
 
+    def _serving(self, loaded: LoadedContext, mode: str, rows: int) -> tuple[int, object]:
+        """`(count, index)`: the index an attend of `rows` query rows of `mode` reads, over the
+        first `count` keys (`count` 0 and None: none, every key is read exactly). This
+        version's once built; while it is being built, the newest earlier version's, unless
+        reading the keys it does not cover exactly costs more than `exact_while_building`
+        pairs: then the attend waits for the build. A build that failed raises its error here
+        once; the next attend starts it again."""
+        root = loaded.parent or loaded
+        self._raise_failed_build(root, mode)
+        build = self._start_build(root, mode)
+        if self._built(root, mode) is None:
+            base = self._earlier_built(root, mode)
+            covered = base.sealed if base is not None else 0
+            if rows * (loaded.n_tokens - covered) > self.exact_while_building:
+                build.result()
+            else:
+                self._count("attends_while_building")
+                return covered, self._index_view(base, loaded, mode) if covered else None
+        return root.sealed, self._index_view(root, loaded, mode) if root.sealed else None
+
+    def _index_view(self, owner: LoadedContext, loaded: LoadedContext, mode: str):
+        """`owner`'s built index of `mode` as `loaded` reads it: a layer's heads of a
+        document's; for tail, stacked (`ClusterHeads`, once per owner and heads)."""
+        built = self._built(owner, mode)
+        heads = loaded.heads or slice(0, len(built))
+        if mode != "tail":
+            return built[heads]
+        span = (heads.start, heads.stop)
+        stacked = owner.layer_heads.get(span)
+        if stacked is None:
+            stacked = ClusterHeads.stacked(built[heads])
+            owner.layer_heads[span] = stacked
+            owner.nbytes += stacked.nbytes
+        return stacked
+
     def index_state(self, namespace: str, record: dict) -> dict:
-        """`{"loaded", "built", "sealed_tokens"}` of the record's version in the cache
-        (nothing is loaded)."""
+        """`{"loaded", "built", "building", "sealed_tokens"}` of the record's version in the
+        cache (nothing is loaded)."""
         with self._lock:
             loaded = self._cache.get((namespace, record["id"], record["version"]))
         if loaded is None:
-            return {"loaded": False, "built": [], "sealed_tokens": None}
-        built = ["tail"] if loaded.clusters is not None else []
-        if record["index"]["kind"] in loaded.search_indexes:
-            built.append("topk")
-        return {"loaded": True, "built": built, "sealed_tokens": loaded.sealed}
-
-    def build_indexes(self, loaded: LoadedContext, modes: list[str]) -> None:
-        """Build what the modes need now (the clusters for tail, the search index for topk)
-        rather than at their first attend; what is built already stays."""
-        with torch.no_grad():
-            for mode in modes:
-                if mode == "tail":
-                    self.clusters(loaded)
-                else:
-                    self.search_index(loaded)
+            return {"loaded": False, "built": [], "building": [], "sealed_tokens": None}
+        built = [mode for mode in MODES if self._built(loaded, mode) is not None]
+        building = [
+            mode for mode, build in loaded.builds.items() if mode not in built and not build.done()
+        ]
+        return {
+            "loaded": True,
+            "built": built,
+            "building": sorted(building),
+            "sealed_tokens": loaded.sealed,
+        }
 
     def _observe_build(self, kind: str, seconds: float) -> None:
         if self.metrics is not None:
@@ -497,8 +625,9 @@ class Engine:
         return result
 
     def _sparse(self, loaded, q, params, positions, causal):
-        """Tail or topk attention of queries `(H, nq, d)` at `positions`: the sealed keys
-        through the index merged with the open segment read exactly, or causal tail."""
+        """Tail or topk attention of queries `(H, nq, d)` at `positions`: the keys an index
+        covers (`_serving`: the sealed ones, or while they are being indexed fewer) through it,
+        merged with the others read exactly; or causal tail."""
         if params.mode == "tail" and causal:
             # Causal tail clusters the keys before each segment of queries itself.
             with intra_op_threads(self.sparse_threads):
@@ -507,57 +636,57 @@ class Engine:
                     for head in range(q.shape[0])
                 ]
             return tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
+        count, index = self._serving(loaded, params.mode, q.shape[0] * q.shape[1])
         parts = []
-        if loaded.sealed:
-            parts.append(self._sealed_part(loaded, q, params, positions, causal))
-        if loaded.sealed < loaded.n_tokens or not parts:
-            parts.append(self._open_segment(loaded, q, positions, causal))
+        if count:
+            parts.append(self._indexed_part(loaded, q, params, positions, causal, count, index))
+        if count < loaded.n_tokens or not parts:
+            parts.append(self._unindexed_part(loaded, q, positions, causal, count))
         return merge_attention(*parts) if len(parts) > 1 else parts[0]
 
-    def _sealed_part(self, loaded, q, params, positions, causal):
-        """Tail (non-causal) or topk attention over the sealed keys: `(out, lse)`.
+    def _indexed_part(self, loaded, q, params, positions, causal, count, index):
+        """Tail (non-causal) or topk attention over the first `count` keys through `index`
+        (`_serving`): `(out, lse)`.
 
-        Indexes are built (first use) with every thread; the attention itself runs on
-        `sparse_threads`: a sparse call is many small operations, which a second thread speeds
-        up far less than it costs the other work of the process (benchmarks/service.py
-        --sparse-threads: 32 decode clients, 294 requests/s on one thread, 135 on two). The
-        window's keys among the sealed ones are read exactly here, the others in the open
-        segment."""
-        sealed, n = loaded.sealed, loaded.n_tokens
+        The attention runs on `sparse_threads`: a sparse call is many small operations, which
+        a second thread speeds up far less than it costs the other work of the process
+        (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on one
+        thread, 135 on two). The window's keys among the indexed ones are read exactly here,
+        the others in the unindexed part."""
         if params.mode == "tail":
             # Every head in one call (a decode step costs one head's operations).
-            heads = self.cluster_heads(loaded)
-            always = window_and_sinks(n, params.window, params.sinks, q.device)
+            always = window_and_sinks(loaded.n_tokens, params.window, params.sinks, q.device)
             with intra_op_threads(self.sparse_threads):
                 return tail_attention_heads(
-                    q, heads, budget=params.budget, always=always[always < sealed]
+                    q, index, budget=params.budget, always=always[always < count]
                 )
-        indexes = self.search_index(loaded)
-        # The window around each query's position: its keys after `sealed` are dropped here
-        # (candidates past the keys given) and read in the open segment.
+        # The window around each query's position: its keys after `count` are dropped here
+        # (candidates past the keys given) and read in the unindexed part.
         with intra_op_threads(self.sparse_threads):
             heads = [
-                self._sparse_head(loaded, q[head], head, indexes[head], params, positions, causal)
+                self._sparse_head(
+                    loaded, q[head], head, index[head], params, positions, causal, count
+                )
                 for head in range(q.shape[0])
             ]
         return tuple(torch.stack(parts) for parts in zip(*heads, strict=True))
 
-    def _open_segment(self, loaded, q, positions, causal):
-        """Exact attention over the keys of the open segment (those after `sealed`), `(out,
-        lse)`; a causal query row before the segment sees none of them (`lse = -inf`)."""
-        sealed = loaded.sealed
-        keys, values = loaded.keys[:, sealed:], loaded.values[:, sealed:]
+    def _unindexed_part(self, loaded, q, positions, causal, start):
+        """Exact attention over the keys from `start` on (the open segment, and any sealed key
+        not indexed yet), `(out, lse)`; a causal query row before `start` sees none of them
+        (`lse = -inf`)."""
+        keys, values = loaded.keys[:, start:], loaded.values[:, start:]
         if not (causal and positions is not None):
             return dense_attention(q, keys, values, loaded.geometry)
-        # Rows are consecutive positions ending at `end - 1`; those at or after `sealed` see
-        # the segment's keys up to their position (bottom-right aligned causal mask).
+        # Rows are consecutive positions ending at `end - 1`; those at or after `start` see
+        # the keys up to their position (bottom-right aligned causal mask).
         end = int(positions[-1]) + 1
-        inside = positions >= sealed
+        inside = positions >= start
         out = q.new_zeros(*q.shape[:2], values.shape[-1])
         lse = q.new_full(q.shape[:2], -torch.inf)
         if inside.any():
             out[:, inside], lse[:, inside] = dense_attention(
-                q[:, inside], keys[:, : end - sealed], values[:, : end - sealed],
+                q[:, inside], keys[:, : end - start], values[:, : end - start],
                 loaded.geometry, causal=True,
             )  # fmt: skip
         return out, lse
@@ -571,10 +700,10 @@ class Engine:
             return dense_attention(q, keys, values, loaded.geometry, causal=True)
         return dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
 
-    def _sparse_head(self, loaded, q, head, index, params, positions, causal):
+    def _sparse_head(self, loaded, q, head, index, params, positions, causal, count=0):
         """One head's causal tail (`index` None: the keys before each segment of queries are
         clustered per call, over every key) or topk (`index`: its search index, over the
-        sealed keys) attention."""
+        first `count` keys) attention."""
         if params.mode == "tail":
             k, v = loaded.keys[head], loaded.values[head]
             return retrieval_attention(
@@ -590,11 +719,10 @@ class Engine:
                 causal=causal,
                 positions=positions,
             )
-        sealed = slice(0, loaded.sealed)
         return retrieval_attention(
             q,
-            loaded.keys[head, sealed],
-            loaded.values[head, sealed],
+            loaded.keys[head, :count],
+            loaded.values[head, :count],
             loaded.geometry,
             top_k=params.k,
             index=index,
@@ -607,6 +735,8 @@ class Engine:
     def _best(self, loaded, q, k, exact):
         """The k best keys per query: `(ids (H, nq, k), logits (H, nq, k))`, `-1`/`-inf`
         padded where an index returns fewer."""
+        if not exact:
+            count, indexes = self._serving(loaded, "topk", q.shape[0] * q.shape[1])
         ids, scores = [], []
         for head in range(q.shape[0]):
             qw = loaded.geometry.witness(q[head])
@@ -615,19 +745,20 @@ class Engine:
                 kw = loaded.geometry.witness(loaded.keys[head][top])
                 logits = loaded.geometry.score_at(qw, kw)
             else:
-                logits, top = self._best_indexed(loaded, qw, head, k)
+                index = indexes[head] if count else None
+                logits, top = self._best_indexed(loaded, qw, head, k, count, index)
             ids.append(top)
             scores.append(logits)
         return torch.stack(ids), torch.stack(scores)
 
-    def _best_indexed(self, loaded, qw, head, k):
-        """One head's k best keys `(logits, ids)` by its search index over the sealed keys and
-        by exact scores over the open segment's, `-inf`/`-1` padded."""
-        sealed, n = loaded.sealed, loaded.n_tokens
-        logits = loaded.geometry.score(qw, loaded.geometry.witness(loaded.keys[head, sealed:]))
-        ids = torch.arange(sealed, n, device=qw.device).expand(qw.shape[0], -1)
-        if sealed:
-            found_logits, found = self.search_index(loaded)[head].search(qw, k)
+    def _best_indexed(self, loaded, qw, head, k, count, index):
+        """One head's k best keys `(logits, ids)` by its search index over the first `count`
+        keys and by exact scores over the others, `-inf`/`-1` padded."""
+        n = loaded.n_tokens
+        logits = loaded.geometry.score(qw, loaded.geometry.witness(loaded.keys[head, count:]))
+        ids = torch.arange(count, n, device=qw.device).expand(qw.shape[0], -1)
+        if count:
+            found_logits, found = index.search(qw, k)
             found_logits = found_logits.masked_fill(found < 0, -torch.inf)
             logits, ids = torch.cat([found_logits, logits], -1), torch.cat([found, ids], -1)
         if logits.shape[-1] < k:

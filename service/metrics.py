@@ -67,6 +67,12 @@ class Metrics:
             ["result"],
             registry=self.registry,
         )
+        self.attends_while_building = Counter(
+            "rewa_attends_while_building",
+            "attends answered while their index was being built, reading the keys no built "
+            "index covers exactly",
+            registry=self.registry,
+        )
         self.cached_bytes = Gauge(
             "rewa_cache_bytes", "bytes of loaded contexts and indexes", registry=self.registry
         )
@@ -92,6 +98,8 @@ class Metrics:
             self.cache.labels("miss").inc()
         elif name == "cache_extensions":
             self.cache.labels("extended").inc()
+        elif name == "attends_while_building":
+            self.attends_while_building.inc()
 
     def index_build(self, kind: str, seconds: float) -> None:
         self.build_seconds.labels(kind).observe(seconds)

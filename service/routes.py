@@ -7,11 +7,13 @@ worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,8 +125,20 @@ async def _compute(request: Request, response: Response, job: Job, background=Fa
     `background`: as a background job (`Batcher.background`: when no request waits, without
     admission bounds), for a request that waits for index builds by nature."""
     batcher = request.app.state.batcher
-    try:
+    with _compute_errors():
         result = await (batcher.background(job) if background else batcher.submit(job))
+    response.headers.append(
+        "Server-Timing",
+        f"queue;dur={job.queue_seconds * 1000:.1f}, compute;dur={job.compute_seconds * 1000:.1f}",
+    )
+    return result
+
+
+@contextlib.contextmanager
+def _compute_errors() -> Iterator[None]:
+    """A device job's or an index build's failures as the API errors they mean."""
+    try:
+        yield
     except Overloaded as error:
         why = (
             "the device queue is full (REWA_QUEUE_SIZE)"
@@ -142,11 +156,6 @@ async def _compute(request: Request, response: Response, job: Job, background=Fa
         raise ApiError(404, str(error), "context_id") from None
     except DomainError as error:  # the request's or the context's vectors overflow its geometry
         raise ApiError(400, str(error)) from None
-    response.headers.append(
-        "Server-Timing",
-        f"queue;dur={job.queue_seconds * 1000:.1f}, compute;dur={job.compute_seconds * 1000:.1f}",
-    )
-    return result
 
 
 def _info(record: dict) -> ContextInfo:
@@ -605,8 +614,8 @@ async def add_chunk(
 async def commit_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
     """Append the upload's tokens to the context atomically (version + 1). With
     `REWA_BUILD_ON_COMMIT` the new version is loaded and its default mode's index built (or
-    extended from the previous version's) in the background, on the device worker; an attend
-    that comes first is answered all the same, building what it needs."""
+    extended from the previous version's) in the background, on the build thread; an attend
+    that comes first is answered all the same (docs/indexes.md, "Builds in the background")."""
     limit = _settings(request).max_tokens_per_context
     record = await _store(request, "commit", namespace, context_id, upload_id, limit)
     if _settings(request).build_on_commit:
@@ -630,26 +639,34 @@ def _in_background(app, coroutine) -> None:
 def _build_job(
     engine, namespace: str, record: dict, modes: list[str], replaceable: bool = True
 ) -> Job:
-    """A device job that loads the record's version and builds the modes' indexes; its result
-    is the seconds that took. A `replaceable` one is dropped, while it waits, for a later
-    commit's build of the same context."""
+    """A device job that loads the record's version and starts the builds of the modes'
+    indexes on the engine's build thread; its result is their futures. A `replaceable` one is
+    dropped, while it waits, for a later commit's build of the same context."""
 
     def run(_):
-        start = time.perf_counter()
-        engine.build_indexes(engine.context(namespace, record), modes)
-        return time.perf_counter() - start
+        return engine.start_builds(engine.context(namespace, record), modes)
 
     replaces = (namespace, record["id"]) if replaceable else None
     return Job(key=None, payload=None, size=1, run=run, replaces=replaces)
 
 
+async def _built(builds: list) -> None:
+    """Wait, off the event loop's thread, for the builds `_build_job` started."""
+    await asyncio.gather(*(asyncio.wrap_future(build) for build in builds))
+
+
 async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
-    """`_build_job` on the device worker when no request is waiting (`Batcher.background`):
-    the seconds it took, None if a later commit's build replaced it or it failed."""
+    """`_build_job` when no request is waiting (`Batcher.background`), then its builds: the
+    seconds they took, None if a later commit's build replaced it or it failed."""
+    start = time.perf_counter()
     try:
-        return await app.state.batcher.background(
+        builds = await app.state.batcher.background(
             _build_job(app.state.engine, namespace, record, modes)
         )
+        if builds is None:
+            return None
+        await _built(builds)
+        return time.perf_counter() - start
     except Exception:  # a store or device failure: the first attend reports it instead
         logger.exception("background index build of %s v%s failed", record["id"], record["version"])
         return None
@@ -691,7 +708,11 @@ async def build_index(
         _mode(mode, False, "tail", record)  # tail for a geometry without a lift: 400
     engine = request.app.state.engine
     job = _build_job(engine, namespace, record, sorted(set(modes)), replaceable=False)
-    seconds = await _compute(request, response, job, background=True)
+    start = time.perf_counter()
+    builds = await _compute(request, response, job, background=True)
+    with _compute_errors():
+        await _built(builds)
+    seconds = time.perf_counter() - start
     state = engine.index_state(namespace, record)
     return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)
 

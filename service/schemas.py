@@ -103,16 +103,19 @@ IndexMode = Literal["tail", "topk"]
 
 class IndexState(BaseModel):
     """What this replica holds of a context's latest version: whether it is loaded on the
-    device, and which modes have their index built (`tail`: the clusters; `topk`: the search
-    index of the context's kind, which `/search` and `return_topk` use too). A mode that is not
-    built is built by its first attend; `seconds` is the time of the build this request ran.
-    `sealed_tokens`: the leading tokens the indexes hold (every full segment of
-    `REWA_OPEN_SEGMENT` tokens); the others are read exactly by every query."""
+    device, which modes have their index built (`tail`: the clusters; `topk`: the search
+    index of the context's kind, which `/search` and `return_topk` use too) and which are being
+    built. A mode that is neither starts its build at its first attend; until a build is done,
+    attends read the keys no built index covers exactly (docs/indexes.md, "Builds in the
+    background"). `seconds`: the time this request waited for the builds. `sealed_tokens`: the
+    leading tokens the indexes hold once built (every full segment of `REWA_OPEN_SEGMENT`
+    tokens); the others are read exactly by every query."""
 
     context_id: str
     version: int
     loaded: bool
     built: list[IndexMode]
+    building: list[IndexMode] = []
     sealed_tokens: int | None = None
     seconds: float | None = None
 

@@ -33,9 +33,13 @@ def free_port() -> int:
 
 
 class Server:
-    """A `rewa serve` subprocess with the given `REWA_*` settings."""
+    """A `rewa serve` subprocess with the given `REWA_*` settings. Unless told otherwise its
+    attends wait for the index builds they need (`exact_while_building=0`), so that the tests
+    comparing answers with the library's do not depend on when a build ends; the default is
+    tested on its own (test_service.py)."""
 
     def __init__(self, **settings) -> None:
+        settings.setdefault("exact_while_building", 0)
         self.port = settings.pop("port", None) or free_port()
         self.settings = {f"REWA_{key.upper()}": str(value) for key, value in settings.items()}
         self.process: subprocess.Popen | None = None

@@ -416,14 +416,14 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
         assert response.status_code == 409  # nothing committed yet
         committed = upload(client, context["id"], keys, values)
         deadline = time.monotonic() + 60
-        while True:  # REWA_BUILD_ON_COMMIT: the default mode's index, built on the worker
+        while True:  # REWA_BUILD_ON_COMMIT: the default mode's index, built in the background
             state = client.get(url).json()
             if state["built"] == ["tail"] or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert state == {"context_id": context["id"], "version": committed["version"],
-                         "loaded": True, "built": ["tail"], "sealed_tokens": 2048,
-                         "seconds": None}  # fmt: skip
+                         "loaded": True, "built": ["tail"], "building": [],
+                         "sealed_tokens": 2048, "seconds": None}  # fmt: skip
         # Waiting for another mode: the request answers once it is built.
         response = client.post(url, json={"modes": ["topk", "tail"]})
         assert response.status_code == 200, response.text

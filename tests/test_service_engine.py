@@ -3,6 +3,8 @@ context version and shared through the store, and the device choice."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -45,8 +47,11 @@ def _committed_record(store, name, seed, geometry=None, kind="flat", options=Non
 
 
 def _engine(store, cache_bytes=1 << 30, store_indexes=False, **options) -> Engine:
+    """An engine whose attends wait for their index's build (unless `exact_while_building`
+    says otherwise), so that answers do not depend on when a build ends."""
+    options = {"open_segment": SEGMENT, "exact_while_building": 0, **options}
     return Engine(store, device=torch.device("cpu"), cache_bytes=cache_bytes,
-                  store_indexes=store_indexes, **{"open_segment": SEGMENT, **options})  # fmt: skip
+                  store_indexes=store_indexes, **options)  # fmt: skip
 
 
 def test_the_cache_evicts_the_least_recently_used_context_over_budget():
@@ -72,8 +77,8 @@ def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     # Another replica on the same store loads the clusters instead of rebuilding them.
     other = _engine(EmbeddedStore(tmp_path), store_indexes=True)
     loaded = other.context("ns", record)
-    clusters = other.clusters(loaded)
-    original = engine.clusters(engine.context("ns", record))
+    other.build_indexes(loaded, ["tail"])
+    clusters, original = loaded.clusters, engine.context("ns", record).clusters
     for mine, theirs in zip(clusters, original, strict=True):
         assert torch.equal(mine.order, theirs.order)
     again = other.attend(loaded, queries, params)
@@ -210,10 +215,17 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
     for n in range(n0, n0 + appends):
         record = commit(n, n + 1)
         loaded = engine.context("ns", record)
-        assert loaded.clusters is not None and "ivf" in loaded.search_indexes
         assert loaded.sealed == (2048 if n + 1 < 4096 else 4096)
         passed_on = loaded.sealed == earlier.sealed
-        assert (loaded.clusters is earlier.clusters) == passed_on  # else extended
+        if passed_on:
+            assert loaded.clusters is earlier.clusters
+            assert loaded.search_indexes["ivf"] is earlier.search_indexes["ivf"]
+        else:  # extended by this version's build, the earlier version's answering meanwhile
+            assert loaded.clusters is None and "ivf" not in loaded.search_indexes
+            assert loaded.earlier is earlier
+        engine.build_indexes(loaded, ["tail", "topk"])
+        assert (loaded.clusters is earlier.clusters) == passed_on
+        assert loaded.earlier is None  # every index built: the earlier version is let go
         earlier = loaded
         assert [key[2] for key in engine._cache] == [record["version"]]
         torch.testing.assert_close(loaded.keys, keys[:, : n + 1], rtol=0, atol=0)
@@ -287,3 +299,112 @@ def _stored(store, record) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of a committed record, as the engine reads them."""
     loaded = _engine(store, open_segment=0).context("ns", record)
     return loaded.keys, loaded.values
+
+
+def _held_builds(monkeypatch) -> threading.Event:
+    """Make every index build of the engine wait until the returned event is set."""
+    release = threading.Event()
+    for name in ("_build_clusters", "_build_search", "_extend"):
+        original = getattr(Engine, name)
+
+        def held(self, *args, _original=original):
+            assert release.wait(30), "the test never released the build"
+            return _original(self, *args)
+
+        monkeypatch.setattr(Engine, name, held)
+    return release
+
+
+def test_an_attend_does_not_wait_for_a_build_it_reads_what_is_not_indexed_exactly(monkeypatch):
+    """While a fresh version's index is being built, a small attend reads every key exactly;
+    once built, the index answers. The index state says which modes are being built."""
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 21)
+    keys, values = _stored(store, record)
+    geometry = make_geometry("dot", D)
+    queries = torch.randn(H, 4, D, generator=torch.Generator().manual_seed(22))
+    release = _held_builds(monkeypatch)
+    engine = _engine(store, exact_while_building=H * 4 * N)
+    loaded = engine.context("ns", record)
+    for mode in ("tail", "topk"):
+        params = AttendParams(mode=mode, k=16, budget=0.1, window=0, sinks=0, return_topk=3)
+        got = engine.attend(loaded, queries, params)
+        dense = dense_attention(queries, keys, values, geometry)
+        torch.testing.assert_close(got["out"], dense[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["lse"], dense[1], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got["ids"], (queries @ keys.transpose(1, 2)).topk(3).indices)
+    state = engine.index_state("ns", record)
+    assert state["built"] == [] and state["building"] == ["tail", "topk"]
+    release.set()
+    engine.build_indexes(loaded, ["tail", "topk"])
+    assert engine.index_state("ns", record)["built"] == ["tail", "topk"]
+    tail = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    got = engine.attend(loaded, queries, tail)
+    expected = _engine(store).attend(_engine(store).context("ns", record), queries, tail)
+    torch.testing.assert_close(got["out"], expected["out"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got["out"], dense_attention(queries, keys, values, geometry)[0])
+
+
+def test_while_a_filled_segment_is_indexed_the_earlier_index_answers(monkeypatch):
+    """A commit that fills a segment: until the new version's index is extended, its attends
+    read the earlier version's index over the keys it holds and the rest exactly; an attend
+    whose exact part would exceed `exact_while_building` waits for the extension instead."""
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 23)  # 600 keys: 512 indexed
+    geometry = make_geometry("dot", D)
+    queries = torch.randn(H, 4, D, generator=torch.Generator().manual_seed(24))
+    engine = _engine(store, exact_while_building=H * 4 * 300)
+    params = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    earlier = engine.context("ns", record)
+    engine.build_indexes(earlier, ["tail"])
+    upload = store.begin_upload("ns", "a")
+    extra = torch.randn(2, H, 200, D, generator=torch.Generator().manual_seed(25)).numpy()
+    store.add_chunk("ns", "a", upload, extra[0].tobytes() + extra[1].tobytes(), 200)
+    record = store.commit("ns", "a", upload, 10**6)
+    release = _held_builds(monkeypatch)
+    loaded = engine.context("ns", record)
+    assert (earlier.sealed, loaded.sealed) == (512, 768) and loaded.earlier is earlier
+    got = engine.attend(loaded, queries, params)
+    recent = dense_attention(queries, loaded.keys[:, 512:], loaded.values[:, 512:], geometry)
+    for head in range(H):
+        expected = merge_attention(
+            tail_attention(queries[head], earlier.clusters[head], budget=0.1),
+            (recent[0][head], recent[1][head]),
+        )
+        torch.testing.assert_close(got["out"][head], expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["lse"][head], expected[1], rtol=1e-5, atol=1e-6)
+    assert loaded.clusters is None
+    # 16 queries per head would read 288 keys exactly: more pairs than allowed, so it waits.
+    threading.Timer(0.2, release.set).start()
+    many = torch.randn(H, 16, D, generator=torch.Generator().manual_seed(26))
+    got = engine.attend(loaded, many, params)
+    assert loaded.clusters is not None and loaded.earlier is None
+    fresh = _engine(store)
+    expected = fresh.attend(fresh.context("ns", record), many, params)
+    torch.testing.assert_close(got["out"], expected["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_build_is_reported_by_the_next_attend_and_started_again(monkeypatch):
+    store = EmbeddedStore()
+    record = _committed_record(store, "a", 27)
+    engine = _engine(store, exact_while_building=1 << 30)
+    loaded = engine.context("ns", record)
+    queries = torch.randn(H, 4, D)
+    params = AttendParams(mode="topk", k=16, budget=0.1, window=0, sinks=0)
+
+    def broken(*_):
+        raise RuntimeError("the device fell over")
+
+    original = Engine._build_search
+    monkeypatch.setattr(Engine, "_build_search", broken)
+    (build,) = engine.start_builds(loaded, ["topk"])
+    with pytest.raises(RuntimeError, match="fell over"):
+        build.result()
+    with pytest.raises(RuntimeError, match="fell over"):
+        engine.attend(loaded, queries, params)
+    monkeypatch.setattr(Engine, "_build_search", original)
+    engine.attend(loaded, queries, params)  # starts the build again
+    engine.build_indexes(loaded, ["topk"])
+    assert engine.index_state("ns", record)["built"] == ["topk"]
+    with pytest.raises(ValueError, match="exact_while_building"):
+        _engine(store, exact_while_building=-1)
