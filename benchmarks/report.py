@@ -341,7 +341,7 @@ def llm_decode_section(result: dict) -> str:
         f"({result['threads']} threads). Error: relative L2 of the step's output against SDPA's.",
         "The first step spills the prompt's keys into the memory: in process it builds the",
         "index too; over HTTP the service builds it in the background, and the steps until the",
-        "build ends read the memory exactly (docs/indexes.md, \"Builds in the background\"),",
+        'build ends read the memory exactly (docs/indexes.md, "Builds in the background"),',
         "slower than SDPA while the build shares the machine's cores: the HTTP row's p90.",
         "",
         "| memory | queries | budget | p50 / p90 / mean | SDPA p50 | speed-up (p50) "

@@ -19,6 +19,7 @@ from .measures import (
     topk_recall,
 )
 from .memory import LocalMemory
+from .protocol import KeyIndex
 from .retrieval import (
     build_index,
     index_from_bytes,
@@ -40,6 +41,7 @@ __all__ = [
     "GridHash",
     "IndexSettings",
     "KeyClusters",
+    "KeyIndex",
     "LiftIndex",
     "LocalMemory",
     "SimHash",

@@ -165,9 +165,10 @@ class CompositeLSH:
         calibrated on all keys and the tables are shuffled as a whole."""
         self.add(keys_w)
 
-    def candidates(self, queries_w: torch.Tensor) -> torch.Tensor:
+    def candidates(self, queries_w: torch.Tensor, k: int | None = None) -> torch.Tensor:
         """Keys sharing a bucket with each query in any table: `(nq, L * bucket_limit)` int64,
-        `-1` padded (duplicates across tables are left for `build_candidates` to remove)."""
+        `-1` padded (duplicates across tables are left for `build_candidates` to remove). `k`
+        is not used: the tables fix how many there are (`KeyIndex.candidates`)."""
         if self.order is None:
             raise RuntimeError("CompositeLSH.candidates before add()")
         buckets = self._buckets(queries_w, "query").T.contiguous()  # (L, nq)

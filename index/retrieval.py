@@ -22,9 +22,8 @@ from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings
 from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
+from .protocol import KeyIndex
 from .tail import tail_attention
-
-KeyIndex = GeometryIndex | BandedIndex | CompositeLSH
 
 
 def build_index(
@@ -101,11 +100,7 @@ def retrieval_candidates(
     """Candidates of queries `(nq, d)` from `index`, unioned with window and sinks."""
     with torch.no_grad():
         qw = index.geometry.witness(q)
-        found = (
-            index.candidates(qw)
-            if isinstance(index, CompositeLSH)
-            else index.candidates(qw, per_query)
-        )
+        found = index.candidates(qw, per_query)
     if positions is None:
         positions = query_positions(q.shape[0], n_keys)
     return build_candidates(
@@ -182,19 +177,35 @@ def retrieval_attention(
         raise ValueError(f"the index holds {index.ntotal} keys but {k.shape[0]} were given")
     if positions is None:
         positions = query_positions(q.shape[0], k.shape[0], q.device)
-    use_blocks = supports_ivf_blocks(index) and window == 0 and sinks == 0
-    if use_blocks:
-        # Memory is bounded per IVF list here, so every query goes through in one pass.
-        qw = geometry.witness(q)
-        # The indexed witnesses carry no gradient; fresh ones are needed only for autograd.
-        kw = geometry.witness(k) if torch.is_grad_enabled() else None
-        kept = positions if causal else None
-        if top_k is None:
-            out, lse = ivf_block_attention(index, qw, v, keys_w=kw, positions=kept)
-            return geometry.output_map(out), lse
-        logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=kept)
-        out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
-        return geometry.output_map(out[0]), lse[0]
+    if supports_ivf_blocks(index) and window == 0 and sinks == 0:
+        return _ivf_list_attention(q, k, v, geometry, index, top_k, positions if causal else None)
+    return _candidate_attention(
+        q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window, sinks=sinks,
+        causal=causal, positions=positions, query_block=query_block,
+    )  # fmt: skip
+
+
+def _ivf_list_attention(q, k, v, geometry, index, top_k, positions):
+    """`retrieval_attention` through an IVF index's lists scored in dense blocks (`ivf_blocks`):
+    the top K of the probed lists' keys, or (`top_k=None`) every one of them; `positions`:
+    causal. Memory is bounded per IVF list here, so every query goes through in one pass."""
+    qw = geometry.witness(q)
+    # The indexed witnesses carry no gradient; fresh ones are needed only for autograd.
+    kw = geometry.witness(k) if torch.is_grad_enabled() else None
+    if top_k is None:
+        out, lse = ivf_block_attention(index, qw, v, keys_w=kw, positions=positions)
+        return geometry.output_map(out), lse
+    logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=positions)
+    out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
+    return geometry.output_map(out[0]), lse[0]
+
+
+def _candidate_attention(
+    q, k, v, geometry, index, *, top_k, per_query, window, sinks, causal, positions, query_block
+):
+    """`retrieval_attention` over candidate sets (the index's, the window's and the sinks'),
+    built for `query_block` queries at a time: sparse attention over their top K, or (`top_k`
+    None) every candidate."""
     outs, lses = [], []
     for start in range(0, q.shape[0], query_block):
         block = slice(start, start + query_block)

@@ -10,11 +10,14 @@ from rewa.index import (
     CompositeLSH,
     GeometryIndex,
     IndexSettings,
+    KeyIndex,
     LiftIndex,
     build_candidates,
     build_index,
     exact_topk,
     faiss_device,
+    index_from_bytes,
+    index_to_bytes,
     mass_recall,
     output_error,
     retrieval_attention,
@@ -127,6 +130,36 @@ def test_lsh_search_returns_distinct_keys():
     for row in found:
         valid = row[row >= 0]
         assert valid.numel() == valid.unique().numel() > 16
+
+
+@pytest.mark.parametrize(
+    ("geometry", "method"),
+    [("dot", "ivf"), ("dot", "flat"), ("dot", "hnsw"), ("dot", "lsh"), ("cone", "flat")],
+)
+def test_every_index_kind_answers_the_one_index_protocol(geometry, method):
+    """Whatever `build_index` returns is a `KeyIndex`: the same calls give candidates, a search
+    whose logits are the geometry's exact ones, an extension equal to a fresh build, and a state
+    that restores to the same answers."""
+    data = clustered(3000, d=16)
+    g = make_geometry(geometry, 16)
+    keys, queries = data.k * 0.1, data.q[:40] * 0.1
+    index = build_index(keys[:2000], g, method)
+    assert isinstance(index, KeyIndex) and index.ntotal == 2000
+    with torch.no_grad():
+        kw, qw = g.witness(keys), g.witness(queries)
+    found = index.candidates(qw, 8)
+    assert found.shape[0] == 40 and found.dtype == torch.long
+    assert ((found >= -1) & (found < 2000)).all() and (found >= 0).any(-1).all()
+    index.extend(kw)
+    fresh = build_index(keys, g, method)
+    logits, ids = index.search(qw, 8)
+    expected_logits, expected_ids = fresh.search(qw, 8)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(logits, expected_logits)
+    exact = g.score_at(qw, kw[ids.clamp_min(0)])
+    torch.testing.assert_close(logits[ids >= 0], exact[ids >= 0], rtol=1e-5, atol=1e-5)
+    restored = index_from_bytes(index_to_bytes(index), keys, g, method)  # state(), restore()
+    assert isinstance(restored, KeyIndex) and torch.equal(restored.search(qw, 8)[1], ids)
 
 
 @pytest.mark.parametrize("kind", ["flat", "ivf", "hnsw"])
