@@ -14,8 +14,17 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
-from .store import NotFound, StoreUnavailable, committed, new_id, new_record
+from .store import (
+    ContextRecord,
+    NotFound,
+    Segment,
+    StoreUnavailable,
+    committed,
+    new_id,
+    new_record,
+)
 
 RECORD = "record.json"
 
@@ -26,7 +35,7 @@ class EmbeddedStore:
         self._lock = threading.Lock()
         self._records: dict[tuple[str, str], dict] = {}
         self._chunks: dict[tuple[str, str, str], bytes] = {}  # memory mode only
-        self._uploads: dict[tuple[str, str, str], list[dict]] = {}
+        self._uploads: dict[tuple[str, str, str], list[Segment]] = {}
         self._blobs: dict[tuple[str, str, str], bytes] = {}  # memory mode only
         if self.root is not None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -57,7 +66,7 @@ class EmbeddedStore:
         assert self.root is not None
         return self.root / namespace / context_id
 
-    def _write_record(self, namespace: str, record: dict) -> None:
+    def _write_record(self, namespace: str, record: ContextRecord) -> None:
         if self.root is not None:
             directory = self._context_dir(namespace, record["id"])
             (directory / "chunks").mkdir(parents=True, exist_ok=True)
@@ -70,18 +79,18 @@ class EmbeddedStore:
         if self.root is not None and not os.access(self.root, os.W_OK):
             raise StoreUnavailable(f"the data directory {self.root} is not writable")
 
-    def create(self, namespace: str, info: dict) -> dict:
+    def create(self, namespace: str, info: dict[str, Any]) -> ContextRecord:
         record = new_record(info)
         with self._lock:
             self._write_record(namespace, record)
         return record
 
-    def list(self, namespace: str) -> list[dict]:
+    def list(self, namespace: str) -> list[ContextRecord]:
         with self._lock:
             records = [r for (ns, _), r in self._records.items() if ns == namespace]
         return sorted(records, key=lambda record: record["created_at"])
 
-    def get(self, namespace: str, context_id: str) -> dict:
+    def get(self, namespace: str, context_id: str) -> ContextRecord:
         with self._lock:
             record = self._records.get((namespace, context_id))
         if record is None:
@@ -112,7 +121,7 @@ class EmbeddedStore:
             self._uploads[(namespace, context_id, upload_id)] = []
         return upload_id
 
-    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[dict]:
+    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[Segment]:
         with self._lock:
             chunks = self._uploads.get((namespace, context_id, upload_id))
         if chunks is None:
@@ -121,7 +130,7 @@ class EmbeddedStore:
 
     def add_chunk(
         self, namespace: str, context_id: str, upload_id: str, data: bytes, tokens: int
-    ) -> list[dict]:
+    ) -> list[Segment]:
         self.upload(namespace, context_id, upload_id)
         chunk = new_id()
         if self.root is not None:
@@ -136,7 +145,9 @@ class EmbeddedStore:
             chunks.append({"chunk": chunk, "tokens": tokens, "bytes": len(data)})
             return list(chunks)
 
-    def commit(self, namespace: str, context_id: str, upload_id: str, max_tokens: int) -> dict:
+    def commit(
+        self, namespace: str, context_id: str, upload_id: str, max_tokens: int
+    ) -> ContextRecord:
         with self._lock:
             record = self._records.get((namespace, context_id))
             if record is None:
@@ -160,7 +171,7 @@ class EmbeddedStore:
                     path = self._context_dir(namespace, context_id) / "chunks"
                     (path / f"{chunk['chunk']}.bin").unlink(missing_ok=True)
 
-    def read_chunk(self, namespace: str, context_id: str, segment: dict) -> bytes:
+    def read_chunk(self, namespace: str, context_id: str, segment: Segment) -> bytes:
         if self.root is None:
             with self._lock:
                 data = self._chunks.get((namespace, context_id, segment["chunk"]))

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NotRequired, TypedDict
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -61,7 +62,7 @@ from rewa.index import (
 )
 
 from .settings import EXACT_WHILE_BUILDING
-from .store import ContextStore, stored_heads
+from .store import ContextRecord, ContextStore, Segment, stored_heads
 from .wire import FLOAT_DTYPES
 
 ContextKey = tuple[str, str, int]  # namespace, context id, version
@@ -144,7 +145,7 @@ class LoadedContext:
     """One committed version of a context on the device."""
 
     key: ContextKey
-    record: dict
+    record: ContextRecord
     geometry: Geometry
     keys: torch.Tensor  # (H, N, d) float32
     values: torch.Tensor  # (H, N, dv) float32
@@ -171,6 +172,25 @@ class LoadedContext:
     @property
     def n_tokens(self) -> int:
         return self.keys.shape[1]
+
+
+class AttendResult(TypedDict):
+    """What `Engine.attend` answers, per head and query: the attention's output and
+    log-partition, and with `return_topk` the best keys' ids and attention weights."""
+
+    out: torch.Tensor  # (H, nq, dv)
+    lse: torch.Tensor  # (H, nq)
+    ids: NotRequired[torch.Tensor]  # (H, nq, R), -1 padded
+    weights: NotRequired[torch.Tensor]  # (H, nq, R)
+
+
+class SearchResult(TypedDict):
+    """What `Engine.search` answers: the best keys' ids and logits, and for a distance
+    geometry their distances."""
+
+    ids: torch.Tensor  # (H, nq, k), -1 padded
+    scores: torch.Tensor  # (H, nq, k)
+    distances: NotRequired[torch.Tensor]  # (H, nq, k)
 
 
 @dataclass(frozen=True)
@@ -222,7 +242,7 @@ class Engine:
 
     # -- loading and caching ----------------------------------------------------------------
 
-    def context(self, namespace: str, record: dict) -> LoadedContext:
+    def context(self, namespace: str, record: ContextRecord) -> LoadedContext:
         """The loaded context of a committed record (from the cache, or loaded now)."""
         key = (namespace, record["id"], record["version"])
         with self._lock:
@@ -243,7 +263,7 @@ class Engine:
             self._evict()
         return loaded
 
-    def _load(self, namespace: str, record: dict) -> LoadedContext:
+    def _load(self, namespace: str, record: ContextRecord) -> LoadedContext:
         k, v = self._read_segments(namespace, record, record["segments"])
         geometry = geometry_of(record["geometry"], record["head_dim"])
         state = self.store.get_blob(namespace, record["id"], GEOMETRY_STATE)
@@ -264,7 +284,7 @@ class Engine:
         return loaded
 
     def _read_segments(
-        self, namespace: str, record: dict, segments: list[dict]
+        self, namespace: str, record: ContextRecord, segments: list[Segment]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys `(H, n, d)` and values `(H, n, dv)` of `segments`, on the device in float32."""
         heads, d, dv = stored_heads(record), record["head_dim"], record["value_dim"]
@@ -302,7 +322,7 @@ class Engine:
             heads=heads,
         )
 
-    def _take_earlier_version(self, namespace: str, record: dict) -> LoadedContext | None:
+    def _take_earlier_version(self, namespace: str, record: ContextRecord) -> LoadedContext | None:
         """The latest cached earlier version of this context whose segments the record's begin
         with, taken out of the cache (its buffers and indexes pass to the new version); None
         when there is none."""
@@ -320,7 +340,9 @@ class Engine:
                 return None
             return self._cache.pop(earlier.key)
 
-    def _extended(self, earlier: LoadedContext, namespace: str, record: dict) -> LoadedContext:
+    def _extended(
+        self, earlier: LoadedContext, namespace: str, record: ContextRecord
+    ) -> LoadedContext:
         """The record's version made from an earlier one: the new segments read and appended,
         the indexes built so far passed on when no segment filled; when one did, they are
         extended with its keys by this version's build (`_build`), and the earlier version's
@@ -573,7 +595,7 @@ class Engine:
             owner.nbytes += stacked.nbytes
         return stacked
 
-    def index_state(self, namespace: str, record: dict) -> dict:
+    def index_state(self, namespace: str, record: ContextRecord) -> dict:
         """`{"loaded", "built", "building", "sealed_tokens"}` of the record's version in the
         cache (nothing is loaded)."""
         with self._lock:
@@ -606,7 +628,7 @@ class Engine:
         *,
         positions: torch.Tensor | None = None,
         causal: bool = False,
-    ) -> dict[str, torch.Tensor]:
+    ) -> AttendResult:
         """Attention of queries `(H, nq, d)` over the context: `out (H, nq, dv)`, `lse
         (H, nq)`, and with `return_topk` the best `ids (H, nq, R)` and their attention
         `weights`. `positions`/`causal` place the queries inside the context (self-attention)."""
@@ -617,7 +639,7 @@ class Engine:
             if positions is None:  # bottom-right aligned, as dense attention's
                 positions = query_positions(q.shape[1], loaded.n_tokens, q.device)
             out, lse = self._sparse(loaded, q, params, positions, causal)
-        result = {"out": out, "lse": lse}
+        result = AttendResult(out=out, lse=lse)
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
             result["ids"] = ids
@@ -771,10 +793,10 @@ class Engine:
     @torch.no_grad()
     def search(
         self, loaded: LoadedContext, queries: torch.Tensor, k: int, exact: bool
-    ) -> dict[str, torch.Tensor]:
+    ) -> SearchResult:
         q = queries.to(self.device, torch.float32)
         ids, scores = self._best(loaded, q, k, exact)
-        result = {"ids": ids, "scores": scores}
+        result = SearchResult(ids=ids, scores=scores)
         if isinstance(loaded.geometry, DistanceGeometry):
             distances = []
             for head in range(q.shape[0]):
@@ -788,9 +810,9 @@ class Engine:
     @torch.no_grad()
     def stateless(
         self, geometry: Geometry, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-    ) -> dict[str, torch.Tensor]:
+    ) -> AttendResult:
         geometry = geometry.to(self.device)
         out, lse = dense_attention(
             *(t.to(self.device, torch.float32) for t in (q, k, v)), geometry, causal=causal
         )
-        return {"out": out, "lse": lse}
+        return AttendResult(out=out, lse=lse)

@@ -25,11 +25,20 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import redis
 from redis.exceptions import ClusterDownError
 
-from .store import NotFound, StoreUnavailable, committed, new_id, new_record
+from .store import (
+    ContextRecord,
+    NotFound,
+    Segment,
+    StoreUnavailable,
+    committed,
+    new_id,
+    new_record,
+)
 
 DELETED_PIECE_TTL_S = 60
 
@@ -85,14 +94,14 @@ class RedisStore:
         self.client.ping()
 
     @_unavailable_on_connection_errors
-    def create(self, namespace: str, info: dict) -> dict:
+    def create(self, namespace: str, info: dict[str, Any]) -> ContextRecord:
         record = new_record(info)
         self.client.set(self._key(namespace, record["id"], "record"), json.dumps(record))
         self.client.sadd(self._ids(namespace), record["id"])
         return record
 
     @_unavailable_on_connection_errors
-    def list(self, namespace: str) -> list[dict]:
+    def list(self, namespace: str) -> list[ContextRecord]:
         ids = sorted(member.decode() for member in self.client.smembers(self._ids(namespace)))
         if not ids:
             return []
@@ -105,7 +114,7 @@ class RedisStore:
         return sorted(records, key=lambda record: record["created_at"])
 
     @_unavailable_on_connection_errors
-    def get(self, namespace: str, context_id: str) -> dict:
+    def get(self, namespace: str, context_id: str) -> ContextRecord:
         raw = self.client.get(self._key(namespace, context_id, "record"))
         if raw is None:
             raise NotFound("context", context_id)
@@ -154,7 +163,7 @@ class RedisStore:
         return upload_id
 
     @_unavailable_on_connection_errors
-    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[dict]:
+    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[Segment]:
         raw = self.client.get(self._key(namespace, context_id, "upload", upload_id))
         if raw is None:
             raise NotFound("upload", upload_id)
@@ -163,7 +172,7 @@ class RedisStore:
     @_unavailable_on_connection_errors
     def add_chunk(
         self, namespace: str, context_id: str, upload_id: str, data: bytes, tokens: int
-    ) -> list[dict]:
+    ) -> list[Segment]:
         self.upload(namespace, context_id, upload_id)
         chunk = new_id()
         pieces = self._split(data)
@@ -193,7 +202,9 @@ class RedisStore:
                     continue
 
     @_unavailable_on_connection_errors
-    def commit(self, namespace: str, context_id: str, upload_id: str, max_tokens: int) -> dict:
+    def commit(
+        self, namespace: str, context_id: str, upload_id: str, max_tokens: int
+    ) -> ContextRecord:
         record_key = self._key(namespace, context_id, "record")
         upload_key = self._key(namespace, context_id, "upload", upload_id)
         with self.client.pipeline(transaction=True) as pipe:
@@ -229,7 +240,7 @@ class RedisStore:
         self.client.delete(*keys)
 
     @_unavailable_on_connection_errors
-    def read_chunk(self, namespace: str, context_id: str, segment: dict) -> bytes:
+    def read_chunk(self, namespace: str, context_id: str, segment: Segment) -> bytes:
         keys = self._pieces(namespace, context_id, "chunk", segment["chunk"], segment["pieces"])
         pieces = self.client.mget(keys)
         if any(piece is None for piece in pieces):

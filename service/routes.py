@@ -13,8 +13,8 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, TypeVar
 
 import torch
 from fastapi import APIRouter, Depends, Request, Response
@@ -27,7 +27,7 @@ from rewa.index.retrieval import empty_index
 from . import wire
 from .auth import namespace_of
 from .batcher import Job, Overloaded, merged_payload
-from .engine import GEOMETRY_STATE, AttendParams, geometry_of, load_geometry_state
+from .engine import GEOMETRY_STATE, AttendParams, Engine, geometry_of, load_geometry_state
 from .errors import ApiError, invalid, validation_error
 from .schemas import (
     AttendOptions,
@@ -48,7 +48,16 @@ from .schemas import (
     StatelessAttendResponse,
     UploadInfo,
 )
-from .store import NotFound, StoreUnavailable, TooLarge, new_id, stored_heads
+from .store import (
+    ContextRecord,
+    ContextStore,
+    NotFound,
+    Segment,
+    StoreUnavailable,
+    TooLarge,
+    new_id,
+    stored_heads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,10 +116,26 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 # -- helpers ----------------------------------------------------------------------------------
 
 
-async def _store(request: Request, method: str, *args) -> Any:
-    """Call a store method in a thread, mapping its errors to API errors."""
+T = TypeVar("T")
+
+
+def _store_of(request: Request) -> ContextStore:
+    return request.app.state.store
+
+
+def _engine_of(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+# The app's store and engine, as route parameters (FastAPI dependencies).
+Store = Annotated[ContextStore, Depends(_store_of)]
+Compute = Annotated[Engine, Depends(_engine_of)]
+
+
+async def _stored(call: Callable[..., T], *args) -> T:
+    """A store method's answer, called in a thread, its errors mapped to API errors."""
     try:
-        return await asyncio.to_thread(getattr(request.app.state.store, method), *args)
+        return await asyncio.to_thread(call, *args)
     except NotFound as error:
         param = "context_id" if error.what == "context" else "upload_id"
         raise ApiError(404, str(error), param) from None
@@ -158,7 +183,7 @@ def _compute_errors() -> Iterator[None]:
         raise ApiError(400, str(error)) from None
 
 
-def _info(record: dict) -> ContextInfo:
+def _info(record: ContextRecord) -> ContextInfo:
     return ContextInfo(**{key: value for key, value in record.items() if key != "segments"})
 
 
@@ -181,13 +206,13 @@ def _check_k(param: str, k: int, n_tokens: int, max_k: int) -> None:
         raise invalid(param, f"at most the context's {n_tokens} tokens", k)
 
 
-def _queries(payload: wire.TensorPayload, record: dict, settings, param: str = "queries"):
+def _queries(payload: wire.TensorPayload, record: ContextRecord, settings, param: str = "queries"):
     queries = wire.decode(payload, param, (record["heads"], None, record["head_dim"]))
     _check_queries(queries, record, settings, param)
     return queries
 
 
-def _check_queries(queries: torch.Tensor, record: dict, settings, param: str = "queries"):
+def _check_queries(queries: torch.Tensor, record: ContextRecord, settings, param: str = "queries"):
     """Raise unless `queries` is `(heads, n >= 1, head_dim)` within the request limit."""
     expected = (record["heads"], None, record["head_dim"])
     wire.check_shape(f"{param}.shape", tuple(queries.shape), expected)
@@ -200,7 +225,7 @@ def _check_queries(queries: torch.Tensor, record: dict, settings, param: str = "
         )
 
 
-def _layer(layer: int | None, record: dict) -> int | None:
+def _layer(layer: int | None, record: ContextRecord) -> int | None:
     """The layer a query names: required, and below `layers`, for a multi-layer context; absent
     (or 0) otherwise, which is None: the whole context."""
     layers = record.get("layers", 1)
@@ -213,13 +238,13 @@ def _layer(layer: int | None, record: dict) -> int | None:
     return layer
 
 
-def _loaded(engine, namespace: str, record: dict, layer: int | None):
+def _loaded(engine, namespace: str, record: ContextRecord, layer: int | None):
     """The loaded context, or the layer of it a query names (on the device worker)."""
     loaded = engine.context(namespace, record)
     return loaded if layer is None else engine.layer(loaded, layer)
 
 
-def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
+def _mode(mode: str | None, exact: bool, default: str, record: ContextRecord) -> str:
     """The requested mode; without one, `default` (tail) where the context's geometry has an
     exact lift, else topk (cone attention has no cluster-tail estimate)."""
     if exact and mode not in (None, "exact"):
@@ -240,7 +265,9 @@ def _mode(mode: str | None, exact: bool, default: str, record: dict) -> str:
     return mode or default
 
 
-def _params(body, record: dict, settings, mode: str, return_topk: int | None) -> AttendParams:
+def _params(
+    body, record: ContextRecord, settings, mode: str, return_topk: int | None
+) -> AttendParams:
     """The request's settings over the context's. A window of `2 n + 1` positions already covers
     all `n` keys from any query position in `[0, n]` (centred or causal), and `n` sinks are every
     key, so larger values are cut to those: the same attention, with memory bounded by the
@@ -261,8 +288,8 @@ def _params(body, record: dict, settings, mode: str, return_topk: int | None) ->
     )
 
 
-async def _committed(request: Request, namespace: str, context_id: str) -> dict:
-    record = await _store(request, "get", namespace, context_id)
+async def _committed(store: ContextStore, namespace: str, context_id: str) -> ContextRecord:
+    record = await _stored(store.get, namespace, context_id)
     if record["n_tokens"] == 0:
         raise ApiError(
             409, f"context {context_id!r} has no committed tokens yet; upload and commit first"
@@ -377,7 +404,7 @@ def _check_index_options(geometry: Geometry, kind: str, options: dict) -> None:
         ),
     },
 )
-async def create_context(body: ContextCreate, request: Request, namespace: str = Namespace):
+async def create_context(body: ContextCreate, store: Store, namespace: str = Namespace):
     """Create an empty context (no tokens, version 0)."""
     geometry = check_geometry(body.geometry.model_dump(), body.head_dim)
     check_value_dim(geometry, body.value_dim or body.head_dim, "value_dim")
@@ -394,12 +421,12 @@ async def create_context(body: ContextCreate, request: Request, namespace: str =
         "dtype": body.dtype,
         "index": body.index.model_dump(),
     }
-    return _info(await _store(request, "create", namespace, info))
+    return _info(await _stored(store.create, namespace, info))
 
 
 @router.get("/contexts", response_model=ContextList, tags=["contexts"], responses=errors(*STORE))
-async def list_contexts(request: Request, namespace: str = Namespace):
-    records = await _store(request, "list", namespace)
+async def list_contexts(store: Store, namespace: str = Namespace):
+    records = await _stored(store.list, namespace)
     return ContextList(contexts=[_info(record) for record in records])
 
 
@@ -409,14 +436,16 @@ async def list_contexts(request: Request, namespace: str = Namespace):
     tags=["contexts"],
     responses=errors(*STORE, 404),
 )
-async def get_context(context_id: str, request: Request, namespace: str = Namespace):
-    return _info(await _store(request, "get", namespace, context_id))
+async def get_context(context_id: str, store: Store, namespace: str = Namespace):
+    return _info(await _stored(store.get, namespace, context_id))
 
 
 @router.delete("/contexts/{context_id}", tags=["contexts"], responses=errors(*STORE, 404))
-async def delete_context(context_id: str, request: Request, namespace: str = Namespace):
-    await _store(request, "delete", namespace, context_id)
-    request.app.state.engine.forget(namespace, context_id)
+async def delete_context(
+    context_id: str, store: Store, engine: Compute, namespace: str = Namespace
+):
+    await _stored(store.delete, namespace, context_id)
+    engine.forget(namespace, context_id)
     return {"deleted": context_id}
 
 
@@ -439,11 +468,13 @@ GEOMETRY_STATE_BODY = {
     responses=errors(*STORE, *BODY, 404, 409, 415),
     openapi_extra=GEOMETRY_STATE_BODY,
 )
-async def put_geometry_state(context_id: str, request: Request, namespace: str = Namespace):
+async def put_geometry_state(
+    context_id: str, request: Request, store: Store, engine: Compute, namespace: str = Namespace
+):
     """Give the context's geometry trained parameters (a safetensors state dict of a geometry
     of the context's spec), so that the service computes what the trained module computes in
     process. Only before the first commit: the indexes of committed tokens depend on it."""
-    record = await _store(request, "get", namespace, context_id)
+    record = await _stored(store.get, namespace, context_id)
     if record["n_tokens"] > 0:
         raise ApiError(
             409,
@@ -467,8 +498,8 @@ async def put_geometry_state(context_id: str, request: Request, namespace: str =
     problem = probe_geometry(geometry, record["head_dim"])
     if problem:
         raise ApiError(400, f"body: this state gives {problem}", "body")
-    await _store(request, "put_blob", namespace, context_id, GEOMETRY_STATE, raw)
-    request.app.state.engine.forget(namespace, context_id)
+    await _stored(store.put_blob, namespace, context_id, GEOMETRY_STATE, raw)
+    engine.forget(namespace, context_id)
     return {"context_id": context_id, "entries": sorted(tensors)}
 
 
@@ -481,10 +512,10 @@ async def put_geometry_state(context_id: str, request: Request, namespace: str =
         **errors(*STORE, 404),
     },
 )
-async def get_geometry_state(context_id: str, request: Request, namespace: str = Namespace):
+async def get_geometry_state(context_id: str, store: Store, namespace: str = Namespace):
     """The context's geometry state as set (safetensors); 204 when it has none."""
-    await _store(request, "get", namespace, context_id)
-    blob = await _store(request, "get_blob", namespace, context_id, GEOMETRY_STATE)
+    await _stored(store.get, namespace, context_id)
+    blob = await _stored(store.get_blob, namespace, context_id, GEOMETRY_STATE)
     if blob is None:
         return Response(status_code=204)
     return Response(blob, media_type=wire.SAFETENSORS)
@@ -493,7 +524,7 @@ async def get_geometry_state(context_id: str, request: Request, namespace: str =
 # -- uploads ----------------------------------------------------------------------------------
 
 
-def _upload_info(context_id: str, upload_id: str, chunks: list[dict]) -> UploadInfo:
+def _upload_info(context_id: str, upload_id: str, chunks: list[Segment]) -> UploadInfo:
     return UploadInfo(
         upload_id=upload_id,
         context_id=context_id,
@@ -519,9 +550,9 @@ def _upload_info(context_id: str, upload_id: str, chunks: list[dict]) -> UploadI
         ),
     },
 )
-async def begin_upload(context_id: str, request: Request, namespace: str = Namespace):
+async def begin_upload(context_id: str, store: Store, namespace: str = Namespace):
     """Open an upload: chunks appended to it become visible together, at commit."""
-    upload_id = await _store(request, "begin_upload", namespace, context_id)
+    upload_id = await _stored(store.begin_upload, namespace, context_id)
     return _upload_info(context_id, upload_id, [])
 
 
@@ -531,8 +562,8 @@ async def begin_upload(context_id: str, request: Request, namespace: str = Names
     tags=["uploads"],
     responses=errors(*STORE, 404),
 )
-async def get_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
-    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+async def get_upload(context_id: str, upload_id: str, store: Store, namespace=Namespace):
+    chunks = await _stored(store.upload, namespace, context_id, upload_id)
     return _upload_info(context_id, upload_id, chunks)
 
 
@@ -560,12 +591,13 @@ async def add_chunk(
     context_id: str,
     upload_id: str,
     request: Request,
+    store: Store,
     tokens: int | None = None,
     namespace: str = Namespace,
 ):
     """Append keys and values for the next tokens to an open upload."""
-    record = await _store(request, "get", namespace, context_id)
-    chunks = await _store(request, "upload", namespace, context_id, upload_id)
+    record = await _stored(store.get, namespace, context_id)
+    chunks = await _stored(store.upload, namespace, context_id, upload_id)
     heads, d, dv = stored_heads(record), record["head_dim"], record["value_dim"]
     dtype = record["dtype"]
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -601,7 +633,7 @@ async def add_chunk(
         )
     data = keys.contiguous().view(torch.uint8).numpy().tobytes()
     data += values.contiguous().view(torch.uint8).numpy().tobytes()
-    chunks = await _store(request, "add_chunk", namespace, context_id, upload_id, data, n)
+    chunks = await _stored(store.add_chunk, namespace, context_id, upload_id, data, n)
     return _upload_info(context_id, upload_id, chunks)
 
 
@@ -611,19 +643,21 @@ async def add_chunk(
     tags=["uploads"],
     responses=errors(*STORE, 404, 413),
 )
-async def commit_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
+async def commit_upload(
+    context_id: str, upload_id: str, request: Request, store: Store, namespace=Namespace
+):
     """Append the upload's tokens to the context atomically (version + 1). With
     `REWA_BUILD_ON_COMMIT` the new version is loaded and its default mode's index built (or
     extended from the previous version's) in the background, on the build thread; an attend
     that comes first is answered all the same (docs/indexes.md, "Builds in the background")."""
     limit = _settings(request).max_tokens_per_context
-    record = await _store(request, "commit", namespace, context_id, upload_id, limit)
+    record = await _stored(store.commit, namespace, context_id, upload_id, limit)
     if _settings(request).build_on_commit:
         _in_background(request.app, _build(request.app, namespace, record, _default_modes(record)))
     return _info(record)
 
 
-def _default_modes(record: dict) -> list[str]:
+def _default_modes(record: ContextRecord) -> list[str]:
     """The mode an attend without one uses (tail, or topk for a geometry without a lift)."""
     return [_mode(None, False, "tail", record)]
 
@@ -637,7 +671,7 @@ def _in_background(app, coroutine) -> None:
 
 
 def _build_job(
-    engine, namespace: str, record: dict, modes: list[str], replaceable: bool = True
+    engine, namespace: str, record: ContextRecord, modes: list[str], replaceable: bool = True
 ) -> Job:
     """A device job that loads the record's version and starts the builds of the modes'
     indexes on the engine's build thread; its result is their futures. A `replaceable` one is
@@ -655,7 +689,7 @@ async def _built(builds: list) -> None:
     await asyncio.gather(*(asyncio.wrap_future(build) for build in builds))
 
 
-async def _build(app, namespace: str, record: dict, modes: list[str]) -> float | None:
+async def _build(app, namespace: str, record: ContextRecord, modes: list[str]) -> float | None:
     """`_build_job` when no request is waiting (`Batcher.background`), then its builds: the
     seconds they took, None if a later commit's build replaced it or it failed."""
     start = time.perf_counter()
@@ -678,10 +712,12 @@ async def _build(app, namespace: str, record: dict, modes: list[str]) -> float |
     tags=["contexts"],
     responses=errors(*STORE, 404),
 )
-async def get_index_state(context_id: str, request: Request, namespace: str = Namespace):
+async def get_index_state(
+    context_id: str, store: Store, engine: Compute, namespace: str = Namespace
+):
     """What this replica holds of the context's latest version (loaded, indexes built)."""
-    record = await _store(request, "get", namespace, context_id)
-    state = request.app.state.engine.index_state(namespace, record)
+    record = await _stored(store.get, namespace, context_id)
+    state = engine.index_state(namespace, record)
     return IndexState(context_id=context_id, version=record["version"], **state)
 
 
@@ -695,6 +731,8 @@ async def build_index(
     context_id: str,
     request: Request,
     response: Response,
+    store: Store,
+    engine: Compute,
     body: IndexBuildRequest | None = None,
     namespace: str = Namespace,
 ):
@@ -702,11 +740,10 @@ async def build_index(
     built (a client waits for them so that its first attend does not pay the build). It runs
     as a background job: after the commit's own build when that one has started (then it only
     finds the indexes built), and never refused for waiting, however long that build takes."""
-    record = await _committed(request, namespace, context_id)
+    record = await _committed(store, namespace, context_id)
     modes = (body.modes if body and body.modes else None) or _default_modes(record)
     for mode in modes:
         _mode(mode, False, "tail", record)  # tail for a geometry without a lift: 400
-    engine = request.app.state.engine
     job = _build_job(engine, namespace, record, sorted(set(modes)), replaceable=False)
     start = time.perf_counter()
     builds = await _compute(request, response, job, background=True)
@@ -722,8 +759,8 @@ async def build_index(
     tags=["uploads"],
     responses=errors(*STORE, 404),
 )
-async def abort_upload(context_id: str, upload_id: str, request: Request, namespace=Namespace):
-    await _store(request, "abort", namespace, context_id, upload_id)
+async def abort_upload(context_id: str, upload_id: str, store: Store, namespace=Namespace):
+    await _stored(store.abort, namespace, context_id, upload_id)
     return {"aborted": upload_id}
 
 
@@ -746,7 +783,7 @@ def _binary_body(description: str) -> dict:
     }
 
 
-async def _attend_body(request: Request, record: dict, settings):
+async def _attend_body(request: Request, record: ContextRecord, settings):
     """`(options, queries)` of an attend body: JSON (`AttendRequest`), or safetensors (a
     `queries` tensor and the other fields as JSON in the metadata entry `options`)."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -793,18 +830,19 @@ async def attend(
     context_id: str,
     request: Request,
     response: Response,
+    store: Store,
+    engine: Compute,
     namespace: str = Namespace,
 ):
     """Attention of queries `(heads, n, head_dim)` over the stored context: `out` `(heads, n,
     value_dim)` and `lse` `(heads, n)`; `mode` exact (dense), topk (sparse over the index's
     top K) or tail (sparse plus the cluster-tail estimate; the default)."""
     settings = _settings(request)
-    record = await _committed(request, namespace, context_id)
+    record = await _committed(store, namespace, context_id)
     body, queries = await _attend_body(request, record, settings)
     layer = _layer(body.layer, record)
     mode = _mode(body.mode, body.exact, "tail", record)
     params = _params(body, record, settings, mode, body.return_topk)
-    engine = request.app.state.engine
 
     def run(batch: list[Job]):
         loaded = _loaded(engine, namespace, record, layer)
@@ -845,15 +883,16 @@ async def search(
     body: SearchRequest,
     request: Request,
     response: Response,
+    store: Store,
+    engine: Compute,
     namespace: str = Namespace,
 ):
     """Each query's top K keys: ids, logits and (distance geometries) distances."""
     settings = _settings(request)
-    record = await _committed(request, namespace, context_id)
+    record = await _committed(store, namespace, context_id)
     queries = _queries(body.queries, record, settings)
     layer = _layer(body.layer, record)
     _check_k("k", body.k, record["n_tokens"], settings.max_k)
-    engine = request.app.state.engine
 
     def run(_):
         loaded = _loaded(engine, namespace, record, layer)
@@ -881,12 +920,14 @@ async def self_attention(
     body: SelfAttentionRequest,
     request: Request,
     response: Response,
+    store: Store,
+    engine: Compute,
     namespace: str = Namespace,
 ):
     """Rows `[start, end)` of the stored context attend over it (long-document encoding);
     `causal`: row i sees keys up to i."""
     settings = _settings(request)
-    record = await _committed(request, namespace, context_id)
+    record = await _committed(store, namespace, context_id)
     n_tokens = record["n_tokens"]
     if body.queries is not None:
         if body.end is not None:
@@ -908,7 +949,6 @@ async def self_attention(
     layer = _layer(body.layer, record)
     mode = _mode(body.mode, body.exact, "topk" if body.causal else "tail", record)
     params = _params(body, record, settings, mode, None)
-    engine = request.app.state.engine
     start = body.start
 
     def run(_):
@@ -937,7 +977,11 @@ async def self_attention(
     responses=errors(401, *BODY, 429),
 )
 async def stateless_attend(
-    body: StatelessAttendRequest, request: Request, response: Response, _=Namespace
+    body: StatelessAttendRequest,
+    request: Request,
+    response: Response,
+    engine: Compute,
+    _=Namespace,
 ):
     """Exact attention over small inline q `(heads, nq, d)`, k `(heads, nk, d)`, v `(heads, nk,
     dv)`; nothing is stored."""
@@ -957,7 +1001,6 @@ async def stateless_attend(
         raise ApiError(413, f"q: at most {settings.max_queries_per_request} heads x queries", "q")
     geometry = check_geometry(body.geometry.model_dump(), d)
     check_value_dim(geometry, v.shape[-1], "v")
-    engine = request.app.state.engine
 
     def run(_):
         return engine.stateless(geometry, q, k, v, body.causal)

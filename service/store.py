@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Protocol
+from typing import Any, NotRequired, Protocol, TypedDict
 
 
 class StoreError(Exception):
@@ -38,11 +38,40 @@ class TooLarge(StoreError):
     """A commit would exceed the tokens-per-context limit (413)."""
 
 
+class Segment(TypedDict):
+    """One committed chunk of a context: its name in the store and its tokens (`pieces`: the
+    Redis values it was written as, in the Redis store)."""
+
+    chunk: str
+    tokens: int
+    pieces: NotRequired[int]
+
+
+class ContextRecord(TypedDict):
+    """A context's metadata record: the `ContextInfo` fields (service/schemas.py) and the
+    segments of its committed version. Stores and the engine pass it as this plain dict."""
+
+    id: str
+    name: str | None
+    geometry: dict[str, Any]  # {"name", **options}
+    heads: int
+    layers: NotRequired[int]  # a multi-layer document's layers (1 when absent)
+    head_dim: int
+    value_dim: int
+    dtype: str
+    index: dict[str, Any]  # {"kind", "k", "window", "sinks", "budget", "options"}
+    n_tokens: int
+    version: int
+    created_at: float
+    updated_at: float
+    segments: list[Segment]
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
 
-def new_record(info: dict) -> dict:
+def new_record(info: dict[str, Any]) -> ContextRecord:
     """A version-0 record for a freshly created context."""
     now = time.time()
     return {
@@ -55,13 +84,13 @@ def new_record(info: dict) -> dict:
     }
 
 
-def stored_heads(record: dict) -> int:
+def stored_heads(record: ContextRecord) -> int:
     """The heads a context stores per token: `heads` of each of its `layers` (a multi-layer
     document holds layer 0's heads first)."""
     return record["heads"] * record.get("layers", 1)
 
 
-def committed(record: dict, chunks: list[dict], max_tokens: int) -> dict:
+def committed(record: ContextRecord, chunks: list[Segment], max_tokens: int) -> ContextRecord:
     """The record after appending `chunks` (`{"chunk", "tokens", ...}`)."""
     added = sum(chunk["tokens"] for chunk in chunks)
     if record["n_tokens"] + added > max_tokens:
@@ -84,27 +113,29 @@ class ContextStore(Protocol):
 
     def ping(self) -> None: ...
 
-    def create(self, namespace: str, info: dict) -> dict: ...
+    def create(self, namespace: str, info: dict[str, Any]) -> ContextRecord: ...
 
-    def list(self, namespace: str) -> list[dict]: ...
+    def list(self, namespace: str) -> list[ContextRecord]: ...
 
-    def get(self, namespace: str, context_id: str) -> dict: ...
+    def get(self, namespace: str, context_id: str) -> ContextRecord: ...
 
     def delete(self, namespace: str, context_id: str) -> None: ...
 
     def begin_upload(self, namespace: str, context_id: str) -> str: ...
 
-    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[dict]: ...
+    def upload(self, namespace: str, context_id: str, upload_id: str) -> list[Segment]: ...
 
     def add_chunk(
         self, namespace: str, context_id: str, upload_id: str, data: bytes, tokens: int
-    ) -> list[dict]: ...
+    ) -> list[Segment]: ...
 
-    def commit(self, namespace: str, context_id: str, upload_id: str, max_tokens: int) -> dict: ...
+    def commit(
+        self, namespace: str, context_id: str, upload_id: str, max_tokens: int
+    ) -> ContextRecord: ...
 
     def abort(self, namespace: str, context_id: str, upload_id: str) -> None: ...
 
-    def read_chunk(self, namespace: str, context_id: str, segment: dict) -> bytes: ...
+    def read_chunk(self, namespace: str, context_id: str, segment: Segment) -> bytes: ...
 
     def put_blob(self, namespace: str, context_id: str, name: str, data: bytes) -> None: ...
 
