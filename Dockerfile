@@ -41,9 +41,10 @@ COPY index/ index/
 COPY service/ service/
 COPY clients/ clients/
 COPY llm/ llm/
+COPY research/ research/
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
-    && .venv/bin/python -m compileall -q attention index service clients llm
+    && .venv/bin/python -m compileall -q attention index service clients llm research
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
 # is set.

@@ -42,7 +42,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rewa.attention import GeometricAttention, GeometricTransformerLayer
+from rewa.attention import GeometricAttention
+from rewa.research import GeometricTransformerLayer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 EMBED_DIM = 32

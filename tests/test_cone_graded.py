@@ -17,17 +17,9 @@ from rewa.attention import (
     Cone,
     GeometricAttention,
     Graded,
-    annealed_lambda,
     dense_attention,
-    grade_inputs,
-    grade_learning_rate_bound,
-    grade_regularizer,
-    graded_loss,
-    graded_positional_encoding,
-    head_coordination_loss,
     make_geometry,
     penumbral_height,
-    sinusoidal_encoding,
     sparse_attention,
 )
 from rewa.attention.geometry import lift_similarity
@@ -40,6 +32,16 @@ from rewa.index import (
     retrieval_attention,
     tail_attention,
     topk_recall,
+)
+from rewa.research import (
+    annealed_lambda,
+    grade_inputs,
+    grade_learning_rate_bound,
+    grade_regularizer,
+    graded_loss,
+    graded_positional_encoding,
+    head_coordination_loss,
+    sinusoidal_encoding,
 )
 
 DIM = 6

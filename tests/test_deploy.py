@@ -273,6 +273,24 @@ def test_the_client_imports_without_the_service_or_torch():
     assert loaded.stdout.strip() == "[]"
 
 
+def test_the_serving_core_never_imports_the_research_code():
+    """rewa.research builds on rewa.attention; the service, the index and the LLM memory path
+    load none of it (docs/design.md, "Layout")."""
+    code = (
+        "import sys, rewa.attention, rewa.index, rewa.service.app, rewa.llm; "
+        "print(sorted(m for m in sys.modules if m.startswith('rewa.research')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "[]"
+    research = subprocess.run(
+        [sys.executable, "-c", "import rewa.research as r; print(len(r.__all__))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert int(research.stdout) > 20
+
+
 def copied_paths() -> list[str]:
     return [
         source
@@ -286,7 +304,7 @@ def test_the_image_copies_every_package_and_the_dockerignore_keeps_them():
     copied = {path.rstrip("/") for path in copied_paths()}
     pyproject = (ROOT / "pyproject.toml").read_text()
     package_dirs = set(re.findall(r'"rewa\.\w+" = "(\w+)"', pyproject))
-    assert package_dirs == {"attention", "index", "service", "clients", "llm"}
+    assert package_dirs == {"attention", "index", "service", "clients", "llm", "research"}
     assert package_dirs | {"Makefile", "pyproject.toml", "README.md"} <= copied
     kept = {
         line[1:].rstrip("/")

@@ -6,17 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from rewa.attention import (
+from rewa.attention import GEOMETRIES, GeometricAttention, expmap
+from rewa.research import (
     CURRICULUM_PHASES,
-    GEOMETRIES,
-    GeometricAttention,
     GeometricCurriculum,
     GeometricTransformerLayer,
     GeometryMixture,
     RiemannAttention,
     RiemannianSGD,
     component_group,
-    expmap,
     riemannian_gradient,
 )
 

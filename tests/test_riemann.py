@@ -6,14 +6,13 @@ import math
 import pytest
 import torch
 
-from rewa.attention import (
-    DotProduct,
+from rewa.attention import DotProduct, make_geometry
+from rewa.research import (
     LocalityBias,
     MetricScaling,
     ParallelTransport,
     RiemannAttention,
     isoclinic_generators,
-    make_geometry,
     riemann_attention,
 )
 

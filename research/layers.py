@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .geometry import Geometry
-from .modules import GeometricAttention
+from rewa.attention import GeometricAttention, Geometry
 
 ExpertSpec = str | dict[str, Any] | Geometry | nn.Module
 

@@ -25,10 +25,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .dense import dense_attention
-from .geometry import Geometry, Role, per_head
-from .modules import GeometricAttention
-from .sparse import sparse_attention
+from rewa.attention import GeometricAttention, Geometry, dense_attention, sparse_attention
+from rewa.attention.geometry import Role, per_head
 
 AxesKind = Literal["fixed", "shared", "learnable"]
 TransportKind = Literal["so2", "so4"]

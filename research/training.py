@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import stereographic
+from rewa.attention import stereographic
 
 COMPONENT_GROUPS = ("base", "sphere", "euclidean", "hyperbolic")
 
