@@ -408,8 +408,13 @@ class Engine:
 
     def _start_build(self, loaded: LoadedContext, mode: str) -> Future:
         """The build of `mode`'s index of this version (a document's, for a layer) on the build
-        thread, started now unless it was; a build that failed is started again."""
+        thread, started now unless it was; a build that failed is started again. An index
+        already there (passed on by an append) needs none: a done future, no thread woken."""
         root = loaded.parent or loaded
+        if self._built(root, mode) is not None:
+            built = Future()
+            built.set_result(None)
+            return built
         with self._lock:
             build = root.builds.get(mode)
             if build is None or (build.done() and build.exception() is not None):

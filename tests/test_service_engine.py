@@ -224,6 +224,7 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
             assert loaded.clusters is None and "ivf" not in loaded.search_indexes
             assert loaded.earlier is earlier
         engine.build_indexes(loaded, ["tail", "topk"])
+        assert not loaded.builds if passed_on else set(loaded.builds) == {"tail", "topk"}
         assert (loaded.clusters is earlier.clusters) == passed_on
         assert loaded.earlier is None  # every index built: the earlier version is let go
         earlier = loaded
