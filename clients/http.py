@@ -22,12 +22,14 @@ import asyncio
 import base64
 import contextlib
 import functools
+import inspect
 import itertools
 import json
 import time
-from collections.abc import Callable, Generator
+import types
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypedDict, TypeVar
 
 import httpx
 import numpy as np
@@ -189,7 +191,49 @@ class _Request:
         return arguments
 
 
-Operation = Generator[_Request, httpx.Response, Any]
+T = TypeVar("T")
+P = ParamSpec("P")
+# An endpoint: yields requests, receives their responses, returns its result (a `T`).
+Operation = Generator[_Request, httpx.Response, T]
+
+
+class ContextInfo(TypedDict):
+    """A context as the service describes it (a plain dict)."""
+
+    id: str
+    name: str | None
+    geometry: dict[str, Any]
+    heads: int
+    layers: int
+    head_dim: int
+    value_dim: int
+    dtype: str
+    index: dict[str, Any]
+    n_tokens: int
+    version: int
+    created_at: float
+    updated_at: float
+
+
+class IndexState(TypedDict):
+    """What the answering replica holds of a context's latest version (a plain dict)."""
+
+    context_id: str
+    version: int
+    loaded: bool
+    built: list[str]
+    building: list[str]
+    sealed_tokens: int | None
+    seconds: float | None
+
+
+class UploadInfo(TypedDict):
+    """An open upload (a plain dict)."""
+
+    upload_id: str
+    context_id: str
+    chunks: int
+    n_tokens: int
 
 
 def _settings(**options: Any) -> dict:
@@ -213,17 +257,17 @@ class _Operations:
 
     # -- probes -----------------------------------------------------------------------------
 
-    def livez(self) -> Operation:
+    def livez(self) -> Operation[bool]:
         """`True` when the process answers."""
         response = yield _Request("GET", "/livez")
         return response.json()["status"] == "ok"
 
-    def ready(self) -> Operation:
+    def ready(self) -> Operation[bool]:
         """`True` when the server is ready (store reachable), `False` on 503; not retried."""
         response = yield _Request("GET", "/readyz", retry=False, accept=(503,))
         return response.status_code == 200
 
-    def metrics(self) -> Operation:
+    def metrics(self) -> Operation[str]:
         """The Prometheus metrics text."""
         response = yield _Request("GET", "/metrics")
         return response.text
@@ -242,7 +286,7 @@ class _Operations:
         name: str | None = None,
         geometry_state: dict | None = None,
         layers: int = 1,
-    ) -> Operation:
+    ) -> Operation[ContextInfo]:
         """Create an empty context; `geometry` is a name or `{"name", **options}`, `index`
         the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`);
         `geometry_state` a trained geometry's `state_dict()` (`set_geometry_state`). With
@@ -264,31 +308,31 @@ class _Operations:
                 raise
         return context
 
-    def list_contexts(self) -> Operation:
+    def list_contexts(self) -> Operation[list[ContextInfo]]:
         response = yield _Request("GET", "/v1/contexts")
         return response.json()["contexts"]
 
-    def get_context(self, context_id: str) -> Operation:
+    def get_context(self, context_id: str) -> Operation[ContextInfo]:
         response = yield _Request("GET", f"/v1/contexts/{context_id}")
         return response.json()
 
-    def delete_context(self, context_id: str) -> Operation:
+    def delete_context(self, context_id: str) -> Operation[None]:
         yield _Request("DELETE", f"/v1/contexts/{context_id}")
 
-    def index_state(self, context_id: str) -> Operation:
+    def index_state(self, context_id: str) -> Operation[IndexState]:
         """What the replica that answers holds of the latest version: `{"loaded", "built",
         "building", "sealed_tokens"}` (modes built, modes being built)."""
         response = yield _Request("GET", f"/v1/contexts/{context_id}/index")
         return response.json()
 
-    def build_index(self, context_id: str, modes: list[str] | None = None) -> Operation:
+    def build_index(self, context_id: str, modes: list[str] | None = None) -> Operation[IndexState]:
         """Build the modes' indexes of the latest version now (default: the context's default
         mode) and return the index state once they are built."""
         body = {"modes": modes} if modes else None
         response = yield _Request("POST", f"/v1/contexts/{context_id}/index", json=body)
         return response.json()
 
-    def set_geometry_state(self, context_id: str, state: dict) -> Operation:
+    def set_geometry_state(self, context_id: str, state: dict) -> Operation[dict[str, Any]]:
         """Give the context's geometry trained parameters: `state` is the `state_dict()` of a
         geometry of the context's spec (torch tensors or numpy arrays). Only before the first
         commit."""
@@ -298,7 +342,9 @@ class _Operations:
         response = yield _Request("PUT", path, content=safetensors_save(tensors), headers=headers)
         return response.json()
 
-    def get_geometry_state(self, context_id: str, *, as_torch: bool = False) -> Operation:
+    def get_geometry_state(
+        self, context_id: str, *, as_torch: bool = False
+    ) -> Operation[dict[str, Any] | None]:
         """The context's geometry state (numpy arrays, or torch tensors), or None when it has
         none."""
         path = f"/v1/contexts/{context_id}/geometry-state"
@@ -310,14 +356,14 @@ class _Operations:
 
     # -- uploads ----------------------------------------------------------------------------
 
-    def begin_upload(self, context_id: str) -> Operation:
+    def begin_upload(self, context_id: str) -> Operation[str]:
         """Open an upload; returns its id."""
         response = yield _Request("POST", f"/v1/contexts/{context_id}/uploads")
         return response.json()["upload_id"]
 
     def add_chunk(
         self, context_id: str, upload_id: str, keys: Any, values: Any, dtype: str = "float32"
-    ) -> Operation:
+    ) -> Operation[UploadInfo]:
         """Append keys `(heads, n, head_dim)` and values `(heads, n, value_dim)`, sent in
         `dtype` (the context's); raw bytes above `BINARY_THRESHOLD`, else JSON."""
         keys, values = to_array(keys, dtype), to_array(values, dtype)
@@ -336,17 +382,17 @@ class _Operations:
         response = yield request
         return response.json()
 
-    def get_upload(self, context_id: str, upload_id: str) -> Operation:
+    def get_upload(self, context_id: str, upload_id: str) -> Operation[UploadInfo]:
         response = yield _Request("GET", f"/v1/contexts/{context_id}/uploads/{upload_id}")
         return response.json()
 
-    def commit_upload(self, context_id: str, upload_id: str) -> Operation:
+    def commit_upload(self, context_id: str, upload_id: str) -> Operation[ContextInfo]:
         """Make the upload's tokens visible, atomically; returns the context."""
         path = f"/v1/contexts/{context_id}/uploads/{upload_id}/commit"
         response = yield _Request("POST", path)
         return response.json()
 
-    def abort_upload(self, context_id: str, upload_id: str) -> Operation:
+    def abort_upload(self, context_id: str, upload_id: str) -> Operation[None]:
         yield _Request("DELETE", f"/v1/contexts/{context_id}/uploads/{upload_id}")
 
     def upload(
@@ -357,7 +403,7 @@ class _Operations:
         *,
         chunk_tokens: int = 8192,
         progress: Callable[[int, int], None] | None = None,
-    ) -> Operation:
+    ) -> Operation[ContextInfo]:
         """Append keys `(heads, N, head_dim)` and values `(heads, N, value_dim)` in chunks of
         `chunk_tokens` and commit them as one new version; returns the context. On any failure
         the upload is aborted (nothing of it becomes visible) and the error raised.
@@ -402,7 +448,7 @@ class _Operations:
         sinks: int | None = None,
         return_topk: int | None = None,
         layer: int | None = None,
-    ) -> Operation:
+    ) -> Operation[AttendResult]:
         """Attention of queries `(heads, n, head_dim)` over the stored context (`layer`: the
         layer of a multi-layer document): an
         `AttendResult`. `mode` tail (the server's default), topk or exact. With the client's
@@ -447,7 +493,7 @@ class _Operations:
         *,
         exact: bool = False,
         layer: int | None = None,
-    ) -> Operation:
+    ) -> Operation[SearchResult]:
         """Each query's top `k` keys: a `SearchResult`."""
         body = {"queries": encode_tensor(queries), "k": k, "exact": exact}
         body |= _settings(layer=layer)
@@ -475,7 +521,7 @@ class _Operations:
         window: int | None = None,
         sinks: int | None = None,
         layer: int | None = None,
-    ) -> Operation:
+    ) -> Operation[AttendResult]:
         """Rows `[start, end)` of the stored context attend over it (`queries` for those rows,
         or the stored keys): an `AttendResult`."""
         body: dict[str, Any] = {"start": start, "causal": causal, "exact": exact}
@@ -490,7 +536,7 @@ class _Operations:
 
     def attend_inline(
         self, q: Any, k: Any, v: Any, *, geometry: str | dict = "dot", causal: bool = False
-    ) -> Operation:
+    ) -> Operation[tuple[Any, Any]]:
         """Stateless exact attention over small inline `q (heads, nq, d)`, `k (heads, nk, d)`,
         `v (heads, nk, dv)`: `(out, lse)`."""
         spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
@@ -509,6 +555,47 @@ class _Operations:
 OPERATIONS = [
     name for name, value in vars(_Operations).items() if callable(value) and name[0] != "_"
 ]
+
+
+class _Blocking(Generic[P, T]):
+    """A `Client` method made from an `_Operations` generator: the same parameters and
+    documentation (editors and type checkers see them, through `P`), its result `T` returned."""
+
+    def __init__(self, operation: Callable[Concatenate[Any, P], Operation[T]]) -> None:
+        def function(client: Client, *args: Any, **kwargs: Any) -> Any:
+            return client._run(operation(client, *args, **kwargs))
+
+        self.function = _as_method(function, operation)
+
+    def __get__(self, client: Client | None, owner: type | None = None) -> Callable[P, T]:
+        return self.function if client is None else types.MethodType(self.function, client)
+
+
+class _Awaitable(Generic[P, T]):
+    """An `AsyncClient` method made from an `_Operations` generator: the same parameters and
+    documentation, its result `T` awaited."""
+
+    def __init__(self, operation: Callable[Concatenate[Any, P], Operation[T]]) -> None:
+        async def function(client: AsyncClient, *args: Any, **kwargs: Any) -> Any:
+            return await client._run(operation(client, *args, **kwargs))
+
+        self.function = _as_method(function, operation)
+
+    def __get__(
+        self, client: AsyncClient | None, owner: type | None = None
+    ) -> Callable[P, Awaitable[T]]:
+        return self.function if client is None else types.MethodType(self.function, client)
+
+
+def _as_method(function: Callable[..., Any], operation: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` named and documented as `operation`, with its signature but returning what
+    the operation's generator returns (`Operation[X]` -> `X`)."""
+    functools.update_wrapper(function, operation)
+    signature = inspect.signature(operation)
+    result = str(signature.return_annotation).removeprefix("Operation[").removesuffix("]")
+    function.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
+    del function.__wrapped__  # type: ignore[attr-defined]
+    return function
 
 
 class _Base(_Operations):
@@ -590,7 +677,7 @@ class Client(_Base):
             time.sleep(after)
         raise AssertionError("unreachable")
 
-    def _run(self, operation: Operation) -> Any:
+    def _run(self, operation: Operation[T]) -> T:
         try:
             request = next(operation)
             while True:
@@ -611,6 +698,29 @@ class Client(_Base):
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+    # Every endpoint (`_Operations`), blocking.
+    livez = _Blocking(_Operations.livez)
+    ready = _Blocking(_Operations.ready)
+    metrics = _Blocking(_Operations.metrics)
+    create_context = _Blocking(_Operations.create_context)
+    list_contexts = _Blocking(_Operations.list_contexts)
+    get_context = _Blocking(_Operations.get_context)
+    delete_context = _Blocking(_Operations.delete_context)
+    index_state = _Blocking(_Operations.index_state)
+    build_index = _Blocking(_Operations.build_index)
+    set_geometry_state = _Blocking(_Operations.set_geometry_state)
+    get_geometry_state = _Blocking(_Operations.get_geometry_state)
+    begin_upload = _Blocking(_Operations.begin_upload)
+    add_chunk = _Blocking(_Operations.add_chunk)
+    get_upload = _Blocking(_Operations.get_upload)
+    commit_upload = _Blocking(_Operations.commit_upload)
+    abort_upload = _Blocking(_Operations.abort_upload)
+    upload = _Blocking(_Operations.upload)
+    attend = _Blocking(_Operations.attend)
+    search = _Blocking(_Operations.search)
+    self_attention = _Blocking(_Operations.self_attention)
+    attend_inline = _Blocking(_Operations.attend_inline)
 
 
 class AsyncClient(_Base):
@@ -635,7 +745,7 @@ class AsyncClient(_Base):
             await asyncio.sleep(after)
         raise AssertionError("unreachable")
 
-    async def _run(self, operation: Operation) -> Any:
+    async def _run(self, operation: Operation[T]) -> T:
         try:
             request = next(operation)
             while True:
@@ -657,23 +767,25 @@ class AsyncClient(_Base):
     async def __aexit__(self, *exc_info: Any) -> None:
         await self.aclose()
 
-
-def _blocking(operation: Callable[..., Operation]) -> Callable[..., Any]:
-    @functools.wraps(operation)
-    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
-        return self._run(operation(self, *args, **kwargs))
-
-    return method
-
-
-def _awaitable(operation: Callable[..., Operation]) -> Callable[..., Any]:
-    @functools.wraps(operation)
-    async def method(self: AsyncClient, *args: Any, **kwargs: Any) -> Any:
-        return await self._run(operation(self, *args, **kwargs))
-
-    return method
-
-
-for _name in OPERATIONS:
-    setattr(Client, _name, _blocking(getattr(_Operations, _name)))
-    setattr(AsyncClient, _name, _awaitable(getattr(_Operations, _name)))
+    # Every endpoint (`_Operations`), awaited.
+    livez = _Awaitable(_Operations.livez)
+    ready = _Awaitable(_Operations.ready)
+    metrics = _Awaitable(_Operations.metrics)
+    create_context = _Awaitable(_Operations.create_context)
+    list_contexts = _Awaitable(_Operations.list_contexts)
+    get_context = _Awaitable(_Operations.get_context)
+    delete_context = _Awaitable(_Operations.delete_context)
+    index_state = _Awaitable(_Operations.index_state)
+    build_index = _Awaitable(_Operations.build_index)
+    set_geometry_state = _Awaitable(_Operations.set_geometry_state)
+    get_geometry_state = _Awaitable(_Operations.get_geometry_state)
+    begin_upload = _Awaitable(_Operations.begin_upload)
+    add_chunk = _Awaitable(_Operations.add_chunk)
+    get_upload = _Awaitable(_Operations.get_upload)
+    commit_upload = _Awaitable(_Operations.commit_upload)
+    abort_upload = _Awaitable(_Operations.abort_upload)
+    upload = _Awaitable(_Operations.upload)
+    attend = _Awaitable(_Operations.attend)
+    search = _Awaitable(_Operations.search)
+    self_attention = _Awaitable(_Operations.self_attention)
+    attend_inline = _Awaitable(_Operations.attend_inline)

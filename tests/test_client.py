@@ -137,6 +137,36 @@ def test_the_async_client_has_the_same_methods(server, data):
         _close(result.out, expected_out)
 
 
+def test_every_endpoint_is_a_declared_method_with_its_signature_and_result_type():
+    """Client and AsyncClient declare every endpoint in their class bodies (what editors and
+    type checkers read): each method shows the endpoint's parameters, documentation and the
+    type of its result, and the async one is a coroutine function."""
+    import ast
+    import inspect
+
+    from rewa.clients import http
+
+    tree = ast.parse(Path(http.__file__).read_text())
+    declared = {
+        node.name: {t.id for item in node.body if isinstance(item, ast.Assign)
+                    for t in item.targets if isinstance(t, ast.Name)}
+        for node in tree.body if isinstance(node, ast.ClassDef)
+    }  # fmt: skip
+    assert len(http.OPERATIONS) == 21
+    for name in http.OPERATIONS:
+        assert name in declared["Client"] and name in declared["AsyncClient"], name
+        operation = inspect.signature(getattr(http._Operations, name))
+        result = str(operation.return_annotation)
+        assert result.startswith("Operation[") and result != "Operation[Any]", name
+        for client in (Client, AsyncClient):
+            method = inspect.signature(getattr(client("http://127.0.0.1:1"), name))
+            assert list(method.parameters.values()) == list(operation.parameters.values())[1:]
+            assert method.return_annotation == result.removeprefix("Operation[")[:-1]
+            assert getattr(client, name).__doc__ == getattr(http._Operations, name).__doc__
+        assert inspect.iscoroutinefunction(getattr(AsyncClient, name))
+    assert inspect.signature(Client.attend).return_annotation == "AttendResult"
+
+
 def test_errors_carry_the_servers_body_and_a_failed_upload_leaves_nothing(server, data):
     keys, values, queries = data
     with Client(server.url) as client:
