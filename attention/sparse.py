@@ -2,9 +2,10 @@
 query's candidate keys, the top K of them, softmax, `(out, lse)`.
 
 Candidates are key indices `(..., nq, C)` in a padded fixed-width layout, `-1` marking padding.
-Duplicates within a row are ignored after their first occurrence. Work is chunked over queries so
-that at most about `budget` gathered elements are alive at once; with gradients enabled each chunk
-is checkpointed and recomputed in the backward pass, so memory stays bounded there too.
+Duplicates within a row are ignored after their first occurrence. Work is chunked over queries
+so that at most about `chunk_elements` gathered elements are alive at once; with gradients
+enabled each chunk is checkpointed and recomputed in the backward pass, so memory stays bounded
+there too. (`budget`, everywhere in rewa, is the fraction of keys a tail query reads.)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from .allocator import retain_freed_memory
 from .geometry import Geometry, check_attention_inputs
 from .numerics import compute_dtype
 
-DEFAULT_BUDGET = 1 << 22
+CHUNK_ELEMENTS = 1 << 22
 """Gathered elements (queries x candidates x dim) per chunk: 16 MiB in float32, below glibc's
 largest mmap threshold so that chunk buffers are reused (measured 2x faster than 64 MiB)."""
 
@@ -29,7 +30,7 @@ def sparse_attention(
     candidates: torch.Tensor,
     top_k: int,
     *,
-    budget: int = DEFAULT_BUDGET,
+    chunk_elements: int = CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over the `top_k` best of its candidate keys.
 
@@ -39,7 +40,8 @@ def sparse_attention(
         geometry: any `Geometry` with `dim == d`.
         candidates: int64 key indices `(..., nq, C)`, `-1` for padding.
         top_k: K, the number of best-scoring candidates attended per query.
-        budget: gathered elements per chunk of queries.
+        chunk_elements: gathered elements per chunk of queries (memory, not accuracy: every
+            candidate is scored whatever its value).
 
     Returns:
         `out (..., nq, dv)`, `lse (..., nq)`: the log-partition over the K attended keys. A query
@@ -56,7 +58,7 @@ def sparse_attention(
     rows = _unique_per_row(candidates)
     n_queries, width = rows.shape[-2], max(rows.shape[-1], 1)
     per_query = width * max(kw.shape[-1], v.shape[-1]) * flat_keys.shape[0]
-    chunk = max(1, budget // per_query)
+    chunk = max(1, chunk_elements // per_query)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qw, kw, flat_values))
     outs, lses = [], []
     for start in range(0, n_queries, chunk):
@@ -133,10 +135,10 @@ def attend_scored(
     """Softmax attention over keys already scored: logits and key ids `(B, c, K)` (`-inf` for
     padding; padded ids may be anything in range), values `(B, nk, dv)` -> `(out (B, c, dv),
     lse (B, c))`; a row with no finite logit gets `(0, -inf)`. Rows go in blocks whose
-    gathered values hold about `DEFAULT_BUDGET` numbers: gathering all at once (131,072
+    gathered values hold about `CHUNK_ELEMENTS` numbers: gathering all at once (131,072
     queries x 64 keys x 64 dims, 2 GiB) spent 1.9 s of a 6.2 s IVF self-attention in
     first-touch page faults."""
-    block = max(1, DEFAULT_BUDGET // max(1, ids.shape[-1] * values.shape[-1]))
+    block = max(1, CHUNK_ELEMENTS // max(1, ids.shape[-1] * values.shape[-1]))
     outs, lses = [], []
     retain_freed_memory()
     for start in range(0, ids.shape[-2], block):

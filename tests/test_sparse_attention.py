@@ -18,7 +18,7 @@ def test_equals_dense_when_every_key_is_a_candidate(name):
     q = torch.randn(2, 3, 11, 8, dtype=torch.float64)
     k = torch.randn(2, 3, 29, 8, dtype=torch.float64)
     v = torch.randn(2, 3, 29, 5, dtype=torch.float64)
-    out, lse = sparse_attention(q, k, v, g, all_keys((2, 3), 11, 29), top_k=29, budget=500)
+    out, lse = sparse_attention(q, k, v, g, all_keys((2, 3), 11, 29), top_k=29, chunk_elements=500)
     expected_out, expected_lse = dense_attention(q, k, v, g)
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
@@ -63,7 +63,7 @@ def test_gradcheck(name):
     v = torch.randn(9, 3, dtype=torch.float64, requires_grad=True)
     rows = torch.stack([torch.randperm(9)[:6] for _ in range(5)])
     assert torch.autograd.gradcheck(
-        lambda q, k, v: sparse_attention(q, k, v, g, rows, top_k=4, budget=40), (q, k, v)
+        lambda q, k, v: sparse_attention(q, k, v, g, rows, top_k=4, chunk_elements=40), (q, k, v)
     )
 
 
@@ -71,7 +71,7 @@ def test_gradients_reach_geometry_parameters_through_checkpointed_chunks():
     g = build_geometry("kappa", 6)
     q, k, v = torch.randn(30, 6), torch.randn(50, 6), torch.randn(50, 2)
     rows = torch.stack([torch.randperm(50)[:20] for _ in range(30)])
-    out, lse = sparse_attention(q, k, v, g.float(), rows, top_k=8, budget=500)
+    out, lse = sparse_attention(q, k, v, g.float(), rows, top_k=8, chunk_elements=500)
     (out.sum() + lse.sum()).backward()
     assert g.kappa.grad is not None and torch.isfinite(g.kappa.grad).all()
 
@@ -101,7 +101,7 @@ def test_attend_scored_in_row_blocks_equals_one_block(monkeypatch):
     logits[0, 3, 4:] = float("-inf")  # padding
     logits[1, 7] = float("-inf")  # nothing to attend to
     whole = sparse_module.attend_scored(logits, ids, values)
-    monkeypatch.setattr(sparse_module, "DEFAULT_BUDGET", 9 * 6 * 5)  # 5 rows a block
+    monkeypatch.setattr(sparse_module, "CHUNK_ELEMENTS", 9 * 6 * 5)  # 5 rows a block
     blocked = sparse_module.attend_scored(logits, ids, values)
     torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=0)
     torch.testing.assert_close(blocked[1], whole[1], rtol=0, atol=0)
