@@ -594,7 +594,6 @@ def _as_method(function: Callable[..., Any], operation: Callable[..., Any]) -> C
     signature = inspect.signature(operation)
     result = str(signature.return_annotation).removeprefix("Operation[").removesuffix("]")
     function.__signature__ = signature.replace(return_annotation=result)  # type: ignore[attr-defined]
-    del function.__wrapped__  # type: ignore[attr-defined]
     return function
 
 

@@ -492,8 +492,7 @@ class Engine:
         pending = [mode for mode in MODES if self._built(loaded, mode) is None]
         earlier = loaded.earlier
         while earlier is not None and pending:
-            builds = (earlier.parent or earlier).builds
-            if any(self._built(earlier, mode) is not None or mode in builds for mode in pending):
+            if any(self._built(earlier, m) is not None or m in earlier.builds for m in pending):
                 return
             earlier = earlier.earlier
         loaded.earlier = None
@@ -573,32 +572,25 @@ class Engine:
         pairs: then the attend waits for the build. A build that failed raises its error here
         once; the next attend starts it again."""
         root = loaded.parent or loaded
-        self._raise_failed_build(root, mode)
-        build = self._start_build(root, mode)
-        if self._built(root, mode) is None:
+        if self._built(root, mode) is None:  # the hot path (built) takes no lock
+            self._raise_failed_build(root, mode)
+            build = self._start_build(root, mode)
             base = self._earlier_built(root, mode)
             covered = base.sealed if base is not None else 0
-            if rows * (loaded.n_tokens - covered) > self.exact_while_building:
-                build.result()
-            else:
+            if rows * (loaded.n_tokens - covered) <= self.exact_while_building:
                 self._count("attends_while_building")
                 return covered, self._index_view(base, loaded, mode) if covered else None
+            build.result()
         return root.sealed, self._index_view(root, loaded, mode) if root.sealed else None
 
     def _index_view(self, owner: LoadedContext, loaded: LoadedContext, mode: str):
         """`owner`'s built index of `mode` as `loaded` reads it: a layer's heads of a
-        document's; for tail, stacked (`ClusterHeads`, once per owner and heads)."""
+        document's; for tail, their clusters stacked by the build (`_stacked`)."""
         built = self._built(owner, mode)
         heads = loaded.heads or slice(0, len(built))
         if mode != "tail":
             return built[heads]
-        span = (heads.start, heads.stop)
-        stacked = owner.layer_heads.get(span)
-        if stacked is None:
-            stacked = ClusterHeads.stacked(built[heads])
-            owner.layer_heads[span] = stacked
-            owner.nbytes += stacked.nbytes
-        return stacked
+        return owner.layer_heads[(heads.start, heads.stop)]
 
     def index_state(self, namespace: str, record: ContextRecord) -> dict:
         """`{"loaded", "built", "building", "sealed_tokens"}` of the record's version in the

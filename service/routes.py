@@ -684,7 +684,7 @@ def _build_job(
     return Job(key=None, payload=None, size=1, run=run, replaces=replaces)
 
 
-async def _built(builds: list) -> None:
+async def _await_builds(builds: list) -> None:
     """Wait, off the event loop's thread, for the builds `_build_job` started."""
     await asyncio.gather(*(asyncio.wrap_future(build) for build in builds))
 
@@ -699,7 +699,7 @@ async def _build(app, namespace: str, record: ContextRecord, modes: list[str]) -
         )
         if builds is None:
             return None
-        await _built(builds)
+        await _await_builds(builds)
         return time.perf_counter() - start
     except Exception:  # a store or device failure: the first attend reports it instead
         logger.exception("background index build of %s v%s failed", record["id"], record["version"])
@@ -748,7 +748,7 @@ async def build_index(
     start = time.perf_counter()
     builds = await _compute(request, response, job, background=True)
     with _compute_errors():
-        await _built(builds)
+        await _await_builds(builds)
     seconds = time.perf_counter() - start
     state = engine.index_state(namespace, record)
     return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)

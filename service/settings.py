@@ -12,8 +12,8 @@ from rewa.index.growth import OPEN_SEGMENT
 
 MIB = 1 << 20
 # An attend that finds its index being built reads the keys no built index covers exactly,
-# unless that is more query-key pairs than this (then it waits for the build): about 0.2 s of
-# dense attention on two CPU cores at d = 64.
+# unless that is more query-key pairs than this (then it waits for the build; what 2^26 pairs
+# cost is in docs/indexes.md, "Builds in the background").
 EXACT_WHILE_BUILDING = 1 << 26
 
 
