@@ -49,7 +49,8 @@ def create(store: EmbeddedStore, kind: str) -> None:
     store.create("bench", {
         "id": kind, "name": None, "geometry": {"name": "dot"}, "heads": HEADS, "head_dim": DIM,
         "value_dim": DIM, "dtype": "float32",
-        "index": {"kind": kind, "k": 64, "window": 0, "sinks": 0, "budget": 0.02, "options": {}},
+        "index": {"kind": kind, "top_k": 64, "window": 0, "sinks": 0, "budget": 0.02,
+                  "options": {}},
     })  # fmt: skip
 
 
@@ -82,8 +83,8 @@ def run(mode: str, tokens: int, appends: int, rebuild_every: int) -> dict:
     values = torch.randn(HEADS, tokens + appends, DIM, generator=generator)
     store, kind = EmbeddedStore(), "ivf"
     create(store, kind)
-    params = AttendParams(mode=mode, k=64, budget=0.02, window=0, sinks=0)
-    exact = AttendParams(mode="exact", k=64, budget=0.02, window=0, sinks=0)
+    params = AttendParams(mode=mode, top_k=64, budget=0.02, window=0, sinks=0)
+    exact = AttendParams(mode="exact", top_k=64, budget=0.02, window=0, sinks=0)
     live = engine(store)
     first = tokens - appends // 2
     record = commit(store, kind, keys, values, 0, first)

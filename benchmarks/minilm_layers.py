@@ -36,7 +36,7 @@ MODES = {
     "exact": {"mode": "exact"},
     "tail 1%": {"mode": "tail", "budget": 0.01},
     "tail 2%": {"mode": "tail", "budget": 0.02},
-    "topk 64": {"mode": "topk", "k": 64},
+    "topk 64": {"mode": "topk", "top_k": 64},
 }
 
 

@@ -54,7 +54,7 @@ from benchmarks.data import DATASETS
 from benchmarks.measure import best_times
 from benchmarks.text_data import DEFAULT_LAYER, text_layers
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import KeyClusters, quality, tail_attention
+from rewa.index import KeyClusters, quality, tail_attention, tail_attention_with_reads
 from rewa.index.measures import dense_entropy
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -133,9 +133,8 @@ def measure_head(
     for budget in BUDGETS:
         for mode in ("topk", "tail"):
             options = {"budget": budget, "tail": mode == "tail"}
-            report = {}
-            out, lse = tail_attention(q, clusters, report=report, **options)
-            measures = quality(out, lse, *reference, report["keys_read"], n)
+            result = tail_attention_with_reads(q, clusters, **options)
+            measures = quality(result.out, result.lse, *reference, result.keys_read, n)
             sparse.append({**base, "mode": mode, "budget": budget, **measures})
             runs[(mode, budget)] = functools.partial(tail_attention, q, clusters, **options)
     seconds = best_times(runs, ROUNDS)

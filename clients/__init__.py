@@ -6,7 +6,15 @@ the first time one of its names is used (PEP 562), so `import rewa.clients` neve
 
 from typing import Any
 
-from .http import AsyncClient, AttendResult, Client, RewaConnectionError, RewaError, SearchResult
+from .http import (
+    AsyncClient,
+    AttendResult,
+    Client,
+    InlineResult,
+    RewaConnectionError,
+    RewaError,
+    SearchResult,
+)
 
 _NEEDS_TORCH = ("RemoteMemory", "ShardedMemory", "merge_attention")
 
@@ -14,6 +22,7 @@ __all__ = [
     "AsyncClient",
     "AttendResult",
     "Client",
+    "InlineResult",
     "RemoteMemory",
     "RewaConnectionError",
     "RewaError",

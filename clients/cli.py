@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     attend.add_argument("context_id")
     attend.add_argument("queries", type=Path, help="(heads, n, head_dim) .npy (or .npz queries)")
     attend.add_argument("--mode", choices=["tail", "topk", "exact"])
-    attend.add_argument("--k", type=int)
+    attend.add_argument("--top-k", type=int, help="topk mode: keys attended per query")
     attend.add_argument("--budget", type=float)
     attend.add_argument("--return-topk", type=int)
     attend.add_argument("--out", type=Path, help=".npz with out, lse (and ids, weights)")
@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     search = commands.add_parser("search", parents=[common], help="top-K keys of queries")
     search.add_argument("context_id")
     search.add_argument("queries", type=Path)
-    search.add_argument("-k", type=int, default=10)
+    search.add_argument("--top-k", type=int, default=10, help="ids per query")
     search.add_argument("--exact", action="store_true")
     search.add_argument("--out", type=Path, help=".npz with ids, scores (and distances)")
     search.add_argument("--json", action="store_true", help="every id as JSON, not a table")
@@ -222,7 +222,7 @@ def attend_command(client, args: argparse.Namespace) -> None:
         args.context_id,
         _queries(args.queries),
         mode=args.mode,
-        k=args.k,
+        top_k=args.top_k,
         budget=args.budget,
         return_topk=args.return_topk,
     )
@@ -249,7 +249,7 @@ def attend_command(client, args: argparse.Namespace) -> None:
 
 
 def search_command(client, args: argparse.Namespace) -> None:
-    result = client.search(args.context_id, _queries(args.queries), args.k, exact=args.exact)
+    result = client.search(args.context_id, _queries(args.queries), args.top_k, exact=args.exact)
     _save(args.out, ids=result.ids, scores=result.scores, distances=result.distances)
     if args.json:
         print(json.dumps({"ids": result.ids.tolist(), "version": result.version,

@@ -29,7 +29,7 @@ import time
 import types
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, Concatenate, Generic, ParamSpec, TypedDict, TypeVar
+from typing import Any, Concatenate, Generic, NamedTuple, ParamSpec, TypedDict, TypeVar
 
 import httpx
 import numpy as np
@@ -155,6 +155,14 @@ class AttendResult:
     version: int
     ids: Any = None
     weights: Any = None
+
+
+class InlineResult(NamedTuple):
+    """`attend_inline`'s answer, `out (heads, nq, dv)` and `lse (heads, nq)`; it unpacks as the
+    pair `out, lse`."""
+
+    out: Any
+    lse: Any
 
 
 @dataclass
@@ -288,7 +296,7 @@ class _Operations:
         layers: int = 1,
     ) -> Operation[ContextInfo]:
         """Create an empty context; `geometry` is a name or `{"name", **options}`, `index`
-        the index settings (`kind`, `k`, `window`, `sinks`, `budget`, `options`);
+        the index settings (`kind`, `top_k`, `window`, `sinks`, `budget`, `options`);
         `geometry_state` a trained geometry's `state_dict()` (`set_geometry_state`). With
         `layers` > 1, a multi-layer document: its tokens carry `layers x heads` heads (layer
         0's first) and every query names its `layer`."""
@@ -442,7 +450,7 @@ class _Operations:
         *,
         mode: str | None = None,
         exact: bool = False,
-        k: int | None = None,
+        top_k: int | None = None,
         budget: float | None = None,
         window: int | None = None,
         sinks: int | None = None,
@@ -456,7 +464,7 @@ class _Operations:
         as base64 JSON."""
         options = {"exact": exact} | _settings(
             mode=mode,
-            k=k,
+            top_k=top_k,
             budget=budget,
             window=window,
             sinks=sinks,
@@ -489,13 +497,13 @@ class _Operations:
         self,
         context_id: str,
         queries: Any,
-        k: int = 10,
+        top_k: int = 10,
         *,
         exact: bool = False,
         layer: int | None = None,
     ) -> Operation[SearchResult]:
-        """Each query's top `k` keys: a `SearchResult`."""
-        body = {"queries": encode_tensor(queries), "k": k, "exact": exact}
+        """Each query's `top_k` best keys: a `SearchResult`."""
+        body = {"queries": encode_tensor(queries), "top_k": top_k, "exact": exact}
         body |= _settings(layer=layer)
         response = yield _Request("POST", f"/v1/contexts/{context_id}/search", json=body)
         found, as_torch = response.json(), is_torch(queries)
@@ -516,7 +524,7 @@ class _Operations:
         causal: bool = False,
         mode: str | None = None,
         exact: bool = False,
-        k: int | None = None,
+        top_k: int | None = None,
         budget: float | None = None,
         window: int | None = None,
         sinks: int | None = None,
@@ -528,7 +536,7 @@ class _Operations:
         if queries is not None:
             body["queries"] = encode_tensor(queries)
         body |= _settings(
-            end=end, mode=mode, k=k, budget=budget, window=window, sinks=sinks, layer=layer
+            end=end, mode=mode, top_k=top_k, budget=budget, window=window, sinks=sinks, layer=layer
         )
         path = f"/v1/contexts/{context_id}/self-attention"
         response = yield _Request("POST", path, json=body)
@@ -536,9 +544,9 @@ class _Operations:
 
     def attend_inline(
         self, q: Any, k: Any, v: Any, *, geometry: str | dict = "dot", causal: bool = False
-    ) -> Operation[tuple[Any, Any]]:
+    ) -> Operation[InlineResult]:
         """Stateless exact attention over small inline `q (heads, nq, d)`, `k (heads, nk, d)`,
-        `v (heads, nk, dv)`: `(out, lse)`."""
+        `v (heads, nk, dv)`: an `InlineResult` (`out`, `lse`)."""
         spec = {"name": geometry} if isinstance(geometry, str) else dict(geometry)
         body = {
             "geometry": spec,
@@ -549,7 +557,9 @@ class _Operations:
         }
         response = yield _Request("POST", "/v1/attend", json=body)
         found, as_torch = response.json(), is_torch(q)
-        return decode_tensor(found["out"], as_torch), decode_tensor(found["lse"], as_torch)
+        return InlineResult(
+            decode_tensor(found["out"], as_torch), decode_tensor(found["lse"], as_torch)
+        )
 
 
 OPERATIONS = [

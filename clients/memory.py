@@ -67,7 +67,7 @@ class RemoteMemory(nn.Module):
     ) -> RemoteMemory:
         """A new empty context on the service, owned by the memory (`close()` deletes it);
         `geometry_state` a trained geometry's `state_dict()`; `options` are the attend
-        endpoint's (`budget`, `k`, ...)."""
+        endpoint's (`budget`, `top_k`, ...)."""
         context = client.create_context(
             heads,
             head_dim,

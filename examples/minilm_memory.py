@@ -55,8 +55,8 @@ from rewa.index import quality
 RESULTS = Path(__file__).resolve().parent / "results"
 # (mode, request options): what the memory is asked, besides `exact`.
 SPARSE_SETTINGS = [
-    ("topk", {"k": 64}),
-    ("topk", {"k": 512}),
+    ("topk", {"top_k": 64}),
+    ("topk", {"top_k": 512}),
     ("tail", {"budget": 0.01}),
     ("tail", {"budget": 0.02}),
 ]
@@ -232,7 +232,7 @@ def plot(profiles: list[tuple[dict, torch.Tensor]], records: list[dict], n_token
         )
     axes[-2].set_xlabel(f"document position (token; {PROFILE_BINS} bins)")
     labels = [
-        f"{r['mode']} " + ", ".join(f"{k}={r[k]}" for k in ("k", "budget") if k in r)
+        f"{r['mode']} " + ", ".join(f"{k}={r[k]}" for k in ("top_k", "budget") if k in r)
         for r in records
     ]
     errors = axes[-1]

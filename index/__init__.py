@@ -28,7 +28,14 @@ from .retrieval import (
     retrieval_candidates,
     window_and_sinks,
 )
-from .tail import estimate_clusters, tail_attention, tail_attention_heads
+from .tail import (
+    TailAttention,
+    estimate_clusters,
+    tail_attention,
+    tail_attention_heads,
+    tail_attention_heads_with_reads,
+    tail_attention_with_reads,
+)
 
 __all__ = [
     "OPEN_SEGMENT",
@@ -45,6 +52,7 @@ __all__ = [
     "LiftIndex",
     "LocalMemory",
     "SimHash",
+    "TailAttention",
     "appended",
     "build_candidates",
     "build_index",
@@ -65,6 +73,8 @@ __all__ = [
     "summary",
     "tail_attention",
     "tail_attention_heads",
+    "tail_attention_heads_with_reads",
+    "tail_attention_with_reads",
     "topk_recall",
     "window_and_sinks",
     "window_candidates",

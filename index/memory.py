@@ -40,7 +40,7 @@ class LocalMemory:
 
     `geometry` is a geometry name with `geometry_options`, or a `Geometry` (a trained one, used
     as it is). `mode`: `tail` (clusters read within `budget`, a fraction of the keys, and every
-    other cluster estimated), `topk` (the `k` best keys of an `index` of that kind) or `exact`
+    other cluster estimated), `topk` (the `top_k` best keys of an `index` of that kind) or `exact`
     (dense attention). `open_segment`: the size of the segments the index takes whole; the
     tokens of the last, open one are read exactly (module docstring). The memory holds float32
     tensors on `device`."""
@@ -54,7 +54,7 @@ class LocalMemory:
         geometry: str | Geometry = "dot",
         mode: Literal["tail", "topk", "exact"] = "tail",
         budget: float = 0.02,
-        k: int = 64,
+        top_k: int = 64,
         index: str = "ivf",
         open_segment: int = OPEN_SEGMENT,
         device: torch.device | str = "cpu",
@@ -66,8 +66,8 @@ class LocalMemory:
             raise ValueError(f"expected mode in {MODES}, got {mode!r}")
         if not 0 < budget <= 1:
             raise ValueError(f"expected a budget in (0, 1] (a fraction of keys), got {budget}")
-        if k < 1:
-            raise ValueError(f"expected k >= 1, got {k}")
+        if top_k < 1:
+            raise ValueError(f"expected top_k >= 1, got {top_k}")
         if open_segment < 0:
             raise ValueError(
                 f"expected open_segment >= 0 (0: index every token), got {open_segment}"
@@ -82,7 +82,7 @@ class LocalMemory:
         self.value_dim = value_dim or head_dim
         self.device = torch.device(device)
         self.geometry = geometry.to(self.device)
-        self.mode, self.budget, self.k, self.index_kind = mode, budget, k, index
+        self.mode, self.budget, self.top_k, self.index_kind = mode, budget, top_k, index
         self.open_segment = open_segment
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
@@ -172,7 +172,7 @@ class LocalMemory:
 
     def _topk_head(self, q, head, index):
         k, v = self._key_buffer[head, : self._indexed], self._value_buffer[head, : self._indexed]
-        return retrieval_attention(q, k, v, self.geometry, top_k=self.k, index=index)
+        return retrieval_attention(q, k, v, self.geometry, top_k=self.top_k, index=index)
 
     def _current_indexes(self) -> list:
         """The mode's index of every head over the first `_indexed` tokens, the sealed ones

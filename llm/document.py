@@ -26,7 +26,7 @@ from .exact import exact_part
 class RemoteDocument:
     """A multi-layer context created at the first spill of the first layer, holding the memory
     layers `layers` (model layer indexes) in that order. `options` are the attend endpoint's
-    (`mode`, `budget`, `k`...)."""
+    (`mode`, `budget`, `top_k`...)."""
 
     def __init__(self, client: Client, layers: Sequence[int], **options: Any) -> None:
         if not layers or len(set(layers)) != len(layers):

@@ -384,7 +384,7 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
 
 
 def local_memories(**options: Any) -> MemoryFactory:
-    """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, k, device,
+    """A memory factory of in-process `LocalMemory`s (`options`: mode, budget, top_k, device,
     open_segment...): like a context of the service, a memory reads the spills of its open
     segment exactly and extends its index once per segment of 2048 spilled tokens instead of
     once per spill (docs/llm.md, "Known limits")."""
@@ -399,7 +399,7 @@ def local_memories(**options: Any) -> MemoryFactory:
 
 def remote_memories(client: Any, **options: Any) -> MemoryFactory:
     """A memory factory of `RemoteMemory`s, one new context per layer on the service `client`
-    speaks to (`options`: mode, budget, k...); `RewaCache.close()` deletes them."""
+    speaks to (`options`: mode, budget, top_k...); `RewaCache.close()` deletes them."""
 
     def make(layer: int, heads: int, head_dim: int, value_dim: int, scale: float):
         return RemoteMemory.create(

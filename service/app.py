@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPIOffline(
         title="rewa",
         summary="Long-context sparse retrieval attention over geometric witness spaces",
-        version="0.1.0",
+        version="0.2.0",
         lifespan=lifespan,
     )
     app.state.settings = settings

@@ -199,7 +199,7 @@ class AttendParams:
     key)."""
 
     mode: str
-    k: int
+    top_k: int
     budget: float
     window: int
     sinks: int
@@ -743,7 +743,7 @@ class Engine:
             loaded.keys[head, :count],
             loaded.values[head, :count],
             loaded.geometry,
-            top_k=params.k,
+            top_k=params.top_k,
             index=index,
             window=params.window,
             sinks=params.sinks,

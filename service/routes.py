@@ -39,6 +39,7 @@ from .schemas import (
     ContextList,
     ErrorBody,
     IndexBuildRequest,
+    IndexSpec,
     IndexState,
     SearchRequest,
     SearchResponse,
@@ -199,11 +200,11 @@ def _parse(model: type[BaseModel], raw: bytes) -> BaseModel:
         raise validation_error(error.errors()) from None
 
 
-def _check_k(param: str, k: int, n_tokens: int, max_k: int) -> None:
-    if k > max_k:
-        raise invalid(param, f"at most {max_k} (REWA_MAX_K)", k)
-    if k > n_tokens:
-        raise invalid(param, f"at most the context's {n_tokens} tokens", k)
+def _check_top_k(param: str, top_k: int, n_tokens: int, max_k: int) -> None:
+    if top_k > max_k:
+        raise invalid(param, f"at most {max_k} (REWA_MAX_K)", top_k)
+    if top_k > n_tokens:
+        raise invalid(param, f"at most the context's {n_tokens} tokens", top_k)
 
 
 def _queries(payload: wire.TensorPayload, record: ContextRecord, settings, param: str = "queries"):
@@ -272,18 +273,18 @@ def _params(
     all `n` keys from any query position in `[0, n]` (centred or causal), and `n` sinks are every
     key, so larger values are cut to those: the same attention, with memory bounded by the
     context instead of the request."""
-    index = record["index"]
+    index = IndexSpec.model_validate(record["index"])
     n_tokens = record["n_tokens"]
-    if body.k is not None:
-        _check_k("k", body.k, n_tokens, settings.max_k)
+    if body.top_k is not None:
+        _check_top_k("top_k", body.top_k, n_tokens, settings.max_k)
     if return_topk is not None:
-        _check_k("return_topk", return_topk, n_tokens, settings.max_k)
+        _check_top_k("return_topk", return_topk, n_tokens, settings.max_k)
     return AttendParams(
         mode=mode,
-        k=body.k if body.k is not None else min(index["k"], n_tokens),
-        budget=body.budget if body.budget is not None else index["budget"],
-        window=min(body.window if body.window is not None else index["window"], 2 * n_tokens + 1),
-        sinks=min(body.sinks if body.sinks is not None else index["sinks"], n_tokens),
+        top_k=body.top_k if body.top_k is not None else min(index.top_k, n_tokens),
+        budget=body.budget if body.budget is not None else index.budget,
+        window=min(body.window if body.window is not None else index.window, 2 * n_tokens + 1),
+        sinks=min(body.sinks if body.sinks is not None else index.sinks, n_tokens),
         return_topk=return_topk,
     )
 
@@ -892,11 +893,11 @@ async def search(
     record = await _committed(store, namespace, context_id)
     queries = _queries(body.queries, record, settings)
     layer = _layer(body.layer, record)
-    _check_k("k", body.k, record["n_tokens"], settings.max_k)
+    _check_top_k("top_k", body.top_k, record["n_tokens"], settings.max_k)
 
     def run(_):
         loaded = _loaded(engine, namespace, record, layer)
-        return engine.search(loaded, queries, body.k, body.exact)
+        return engine.search(loaded, queries, body.top_k, body.exact)
 
     result = await _compute(
         request, response, Job(key=None, payload=None, size=queries.numel(), run=run)

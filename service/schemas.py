@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from rewa.attention import GEOMETRIES
 
@@ -14,6 +14,9 @@ from .wire import TensorPayload, integer
 Mode = Literal["exact", "topk", "tail"]
 IndexKind = Literal["ivf", "hnsw", "flat", "lsh"]
 ContextDtype = Literal["float32", "float16", "bfloat16"]
+# How many keys a query attends or ids it gets is `top_k`, as in the library (where `k` is the
+# keys); `k`, its name in 0.1, is still read, and records stored with it still load.
+TOP_K_ALIASES = AliasChoices("top_k", "k")
 
 
 class Strict(BaseModel):
@@ -52,7 +55,9 @@ class IndexSpec(Strict):
     """How the context is searched in `topk` mode, and the defaults of every sparse mode."""
 
     kind: IndexKind = "ivf"
-    k: integer(ge=1, le=2048) = Field(64, description="keys attended per query in topk mode")
+    top_k: integer(ge=1, le=2048) = Field(
+        64, validation_alias=TOP_K_ALIASES, description="keys attended per query in topk mode"
+    )
     window: integer(ge=0) = Field(0, description="last keys always read (tail and topk)")
     sinks: integer(ge=0) = Field(0, description="first keys always read (tail and topk)")
     budget: float = Field(0.02, gt=0, le=1, description="fraction of keys read in tail mode")
@@ -152,7 +157,9 @@ class AttendOptions(Strict):
     layer: Layer = None
     mode: Mode | None = Field(None, description="default: tail")
     exact: bool = Field(False, description="shorthand for mode=exact")
-    k: integer(ge=1) | None = Field(None, description="topk mode: keys attended (<= max_k)")
+    top_k: integer(ge=1) | None = Field(
+        None, validation_alias=TOP_K_ALIASES, description="topk mode: keys attended (<= max_k)"
+    )
     budget: float | None = Field(None, gt=0, le=1, description="tail mode: fraction read")
     window: integer(ge=0) | None = None
     sinks: integer(ge=0) | None = None
@@ -176,7 +183,7 @@ class AttendResponse(BaseModel):
 
 class SearchRequest(Strict):
     queries: TensorPayload
-    k: integer(ge=1) = 10
+    top_k: integer(ge=1) = Field(10, validation_alias=TOP_K_ALIASES, description="ids per query")
     exact: bool = Field(False, description="exact top-K instead of the context's index")
     layer: Layer = None
 
@@ -199,7 +206,7 @@ class SelfAttentionRequest(Strict):
     causal: bool = False
     mode: Mode | None = Field(None, description="default: tail, or topk when causal")
     exact: bool = False
-    k: integer(ge=1) | None = None
+    top_k: integer(ge=1) | None = Field(None, validation_alias=TOP_K_ALIASES)
     budget: float | None = Field(None, gt=0, le=1)
     window: integer(ge=0) | None = None
     sinks: integer(ge=0) | None = None

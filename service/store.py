@@ -59,7 +59,7 @@ class ContextRecord(TypedDict):
     head_dim: int
     value_dim: int
     dtype: str
-    index: dict[str, Any]  # {"kind", "k", "window", "sinks", "budget", "options"}
+    index: dict[str, Any]  # {"kind", "top_k", "window", "sinks", "budget", "options"}
     n_tokens: int
     version: int
     created_at: float

@@ -23,6 +23,7 @@ from rewa.attention import dense_attention, make_geometry
 from rewa.clients import (
     AsyncClient,
     Client,
+    InlineResult,
     RemoteMemory,
     RewaConnectionError,
     RewaError,
@@ -61,7 +62,7 @@ def test_the_client_covers_every_endpoint_and_matches_the_library(server, data):
     geometry = make_geometry("dot", D)
     with Client(server.url) as client:
         assert client.livez() and client.ready()
-        context = client.create_context(H, D, name="doc", index={"kind": "flat", "k": 32})
+        context = client.create_context(H, D, name="doc", index={"kind": "flat", "top_k": 32})
         assert context["n_tokens"] == 0
         assert context["id"] in [c["id"] for c in client.list_contexts()]
         # Small chunks travel as JSON, large ones as raw bytes; numpy and torch both go in.
@@ -99,10 +100,13 @@ def test_the_client_covers_every_endpoint_and_matches_the_library(server, data):
         _close(rows.lse, expected_rows[1])
 
         small_q, small_k, small_v = queries, keys[:, :50], values[:, :50]
-        out, lse = client.attend_inline(small_q, small_k, small_v, geometry="dot")
+        inline = client.attend_inline(small_q, small_k, small_v, geometry="dot")
+        assert isinstance(inline, InlineResult)
         expected_small = dense_attention(small_q, small_k, small_v, geometry)
-        _close(out, expected_small[0])
-        _close(lse, expected_small[1])
+        _close(inline.out, expected_small[0])
+        _close(inline.lse, expected_small[1])
+        out, lse = inline  # the pair, as before
+        assert out is inline.out and lse is inline.lse
 
         upload_id = client.begin_upload(context["id"])
         client.add_chunk(context["id"], upload_id, keys[:, :10], values[:, :10])
@@ -333,14 +337,14 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
     with np.load(tmp_path / "out.npz") as saved:
         _close(saved["out"], expected[0])
         _close(saved["lse"], expected[1])
-    found = json.loads(_cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "-k", "3",
+    found = json.loads(_cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "--top-k", "3",
                             "--exact", "--json", *url))  # fmt: skip
     assert np.array(found["ids"]).shape == (H, 4, 3)
     best = exact_topk(torch.from_numpy(queries[0, 0]).unsqueeze(0),
                       torch.from_numpy(all_keys[0]), make_geometry("dot", D), 3)  # fmt: skip
     assert found["ids"][0][0] == best[0].tolist()
     # Tables a person reads: every row of this small result, ids with their logits or weights.
-    table = _cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "-k", "3", "--exact",
+    table = _cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "--top-k", "3", "--exact",
                  *url).splitlines()  # fmt: skip
     assert table[0].endswith("the best 3 keys of 4 queries x 2 heads") and len(table) == 2 + 8 + 1
     assert table[2].split()[:3] == ["0", "0", str(best[0, 0].item())]
@@ -433,7 +437,7 @@ for dtype in ("float32", "bfloat16"):
             client.upload(context["id"], keys, values, chunk_tokens=100)  # JSON and raw chunks
             found = client.attend(context["id"], queries, mode="exact")
             answers[f"{dtype}-{wire}-out"], answers[f"{dtype}-{wire}-lse"] = found.out, found.lse
-            answers[f"{dtype}-{wire}-ids"] = client.search(context["id"], queries, k=3).ids
+            answers[f"{dtype}-{wire}-ids"] = client.search(context["id"], queries, top_k=3).ids
             assert client.get_geometry_state(context["id"]) is None
             client.delete_context(context["id"])
 assert "torch" not in {name.partition(".")[0] for name, m in sys.modules.items() if m}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rewa.attention import cuda_kernel, dense_attention
-from rewa.index import KeyClusters, retrieval_attention, tail_attention
+from rewa.index import KeyClusters, retrieval_attention, tail_attention_with_reads
 from tests.support import FUSED, build_geometry
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -115,10 +115,9 @@ def test_tail_attention_on_cuda_equals_the_cpu(name):
     with torch.no_grad():
         clusters = KeyClusters.build(g_cpu.witness(k), v, g_cpu, n_clusters=12)
         on_cuda = KeyClusters.from_bytes(clusters.to_bytes(), g_cuda, device=CUDA)
-        cpu_report, cuda_report = {}, {}
-        expected, expected_lse = tail_attention(q, clusters, budget=0.2, report=cpu_report)
-        out, lse = tail_attention(q.to(CUDA), on_cuda, budget=0.2, report=cuda_report)
-    assert torch.equal(cuda_report["keys_read"].cpu(), cpu_report["keys_read"])
+        expected, expected_lse, cpu_read = tail_attention_with_reads(q, clusters, budget=0.2)
+        out, lse, cuda_read = tail_attention_with_reads(q.to(CUDA), on_cuda, budget=0.2)
+    assert torch.equal(cuda_read.cpu(), cpu_read)
     difference = (out.cpu() - expected).norm(dim=-1) / expected.norm(dim=-1)
     assert difference.max() < 1e-2
     torch.testing.assert_close(lse.cpu(), expected_lse, rtol=1e-3, atol=1e-3)

@@ -376,10 +376,10 @@ def _assert_serves_attention(url: str) -> None:
     queries = torch.randn(2, 5, 16, generator=generator)
     with Client(url) as client:
         assert client.ready()
-        context = client.create_context(2, 16, index={"kind": "ivf", "k": 32})
+        context = client.create_context(2, 16, index={"kind": "ivf", "top_k": 32})
         client.upload(context["id"], keys, values, chunk_tokens=1000)
         result = client.attend(context["id"], queries, mode="exact")
-        ids = client.search(context["id"], queries, k=4).ids
+        ids = client.search(context["id"], queries, top_k=4).ids
     out, lse = dense_attention(queries, keys, values, make_geometry("dot", 16))
     torch.testing.assert_close(result.out, out, rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(result.lse, lse, rtol=1e-4, atol=2e-5)
@@ -398,7 +398,7 @@ def test_two_replicas_share_one_redis():
         keys, values = torch.randn(2, 4000, 16, generator=generator), torch.randn(2, 4000, 16)
         queries = torch.randn(2, 8, 16, generator=generator)
         with Client(a.url) as through_a, Client(b.url) as through_b:
-            context = through_a.create_context(2, 16, index={"kind": "ivf", "k": 32})
+            context = through_a.create_context(2, 16, index={"kind": "ivf", "top_k": 32})
             through_a.upload(context["id"], keys, values, chunk_tokens=1500)
             assert through_b.get_context(context["id"])["n_tokens"] == 4000
             # Built on A (tail: clusters, topk: IVF), stored, loaded by B: identical results.
@@ -450,7 +450,7 @@ def test_a_replica_on_redis_cluster_serves_contexts_spread_over_its_nodes():
         expected = dense_attention(queries, keys, values, make_geometry("dot", 16))
         with Client(server.url) as client:
             assert client.ready()
-            contexts = [client.create_context(2, 16, index={"kind": "ivf", "k": 32})]
+            contexts = [client.create_context(2, 16, index={"kind": "ivf", "top_k": 32})]
             contexts += [client.create_context(2, 16) for _ in range(5)]
             # Several chunks and pieces, one transactional commit, indexes stored as blobs.
             client.upload(contexts[0]["id"], keys, values, chunk_tokens=700)

@@ -25,7 +25,7 @@ def test_minilm_memory_merges_to_dense_attention_and_reports_sparse_errors(tmp_p
     assert exact["max_abs_out_diff"] < 1e-4 and exact["max_abs_lse_diff"] < 1e-4
     assert 0 < summary["memory_mass_min"] <= summary["memory_mass_median"] < 1
 
-    records = {(r["mode"], r.get("k") or r.get("budget")): r for r in summary["records"]}
+    records = {(r["mode"], r.get("top_k") or r.get("budget")): r for r in summary["records"]}
     assert set(records) == {("topk", 64), ("topk", 512), ("tail", 0.01), ("tail", 0.02)}
     for record in records.values():
         assert 0 < record["err_median"] <= record["err_p99"]

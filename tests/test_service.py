@@ -22,6 +22,9 @@ from rewa.index import (
     retrieval_attention,
     sealed_keys,
 )
+from rewa.service.routes import _params
+from rewa.service.schemas import AttendOptions
+from rewa.service.settings import Settings
 from tests.service_support import (
     REDIS_URL,
     Server,
@@ -60,11 +63,40 @@ def data():
     return keys, values, queries
 
 
+def test_top_k_is_also_read_under_its_old_name_k(server, data):
+    """`top_k` (keys attended, ids searched) was called `k` in 0.1: requests and stored
+    records that say `k` still work, and the service answers `top_k`."""
+    keys, values, queries = data
+    with server.client() as client:
+        context = create_context(client, index={"kind": "flat", "k": 8})
+        assert context["index"]["top_k"] == 8 and "k" not in context["index"]
+        upload(client, context["id"], keys, values)
+        current = attend(client, context["id"], queries, mode="topk", top_k=4)
+        legacy = attend(client, context["id"], queries, mode="topk", k=4)
+        torch.testing.assert_close(legacy[0], current[0])
+        torch.testing.assert_close(legacy[1], current[1])
+        default = attend(client, context["id"], queries, mode="topk")  # the context's 8 keys
+        assert not torch.allclose(default[1], current[1])
+        search = f"/v1/contexts/{context['id']}/search"
+        found = client.post(search, json={"queries": encode(queries), "k": 3}).json()
+        assert decode(found["ids"]).shape == (H, 5, 3)
+        both = client.post(search, json={"queries": encode(queries), "k": 3, "top_k": 3})
+        assert both.status_code == 422, both.text
+        client.delete(f"/v1/contexts/{context['id']}")
+
+
+def test_a_record_stored_with_k_gives_its_top_k():
+    record = {"n_tokens": 100, "index": {"kind": "ivf", "k": 12, "window": 0, "sinks": 0,
+                                         "budget": 0.02, "options": {}}}  # fmt: skip
+    params = _params(AttendOptions(), record, Settings(), "topk", None)
+    assert params.top_k == 12
+
+
 def test_full_lifecycle_matches_the_library(server, data):
     keys, values, queries = data
     geometry = make_geometry("dot", D)
     with server.client() as client:
-        context = create_context(client, name="doc", index={"kind": "ivf", "k": 32})
+        context = create_context(client, name="doc", index={"kind": "ivf", "top_k": 32})
         assert (context["n_tokens"], context["version"]) == (0, 0)
         committed = upload(client, context["id"], keys, values, chunk=700, binary=False)
         assert (committed["n_tokens"], committed["version"]) == (N, 1)
@@ -117,7 +149,7 @@ def test_full_lifecycle_matches_the_library(server, data):
         # search: exact top K ids and logits.
         response = client.post(
             f"/v1/contexts/{context['id']}/search",
-            json={"queries": encode(queries), "k": 5, "exact": True},
+            json={"queries": encode(queries), "top_k": 5, "exact": True},
         )
         assert response.status_code == 200, response.text
         found = response.json()
@@ -187,7 +219,7 @@ def test_self_attention_and_search_for_distance_geometries(server, data, geometr
         queries = torch.randn(H, 7, D) * 0.1
         response = client.post(
             f"/v1/contexts/{context['id']}/self-attention",
-            json={"queries": encode(queries), "start": 10, "mode": "topk", "k": 600},
+            json={"queries": encode(queries), "start": 10, "mode": "topk", "top_k": 600},
         )
         assert response.status_code == 200, response.text
         expected = dense_attention(queries, k, v, geometry)
@@ -196,7 +228,7 @@ def test_self_attention_and_search_for_distance_geometries(server, data, geometr
         )
         # Search returns distances for distance geometries.
         response = client.post(
-            f"/v1/contexts/{context['id']}/search", json={"queries": encode(queries), "k": 3}
+            f"/v1/contexts/{context['id']}/search", json={"queries": encode(queries), "top_k": 3}
         )
         found = response.json()
         ids = decode(found["ids"])
@@ -229,7 +261,7 @@ def test_seed_mechanisms_through_the_service(server, data, geometry_spec):
     cone = geometry_spec["name"] == "cone"
     with server.client() as client:
         context = create_context(
-            client, geometry=geometry_spec, value_dim=D, index={"kind": "flat", "k": 400}
+            client, geometry=geometry_spec, value_dim=D, index={"kind": "flat", "top_k": 400}
         )
         upload(client, context["id"], k, v)
         url = f"/v1/contexts/{context['id']}/attend"
@@ -410,7 +442,7 @@ def test_the_authorization_header_is_parsed_strictly():
 def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_it(server, data):
     keys, values, queries = data
     with server.client() as client:
-        context = create_context(client, index={"kind": "ivf", "k": 32})
+        context = create_context(client, index={"kind": "ivf", "top_k": 32})
         url = f"/v1/contexts/{context['id']}/index"
         response = client.post(url)
         assert response.status_code == 409  # nothing committed yet
@@ -594,7 +626,7 @@ def test_a_multi_layer_document_is_uploaded_appended_attended_by_layer_and_delet
                 torch.testing.assert_close(out[head], tail[0], rtol=1e-5, atol=1e-5)
             found = client.post(
                 f"/v1/contexts/{document['id']}/search",
-                json={"queries": encode(queries), "k": 3, "exact": True, "layer": layer},
+                json={"queries": encode(queries), "top_k": 3, "exact": True, "layer": layer},
             ).json()
             best = torch.stack([(queries[h] @ k[h].T).topk(3).indices for h in range(heads)])
             assert torch.equal(decode(found["ids"]), best)

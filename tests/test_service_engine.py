@@ -24,7 +24,7 @@ def _committed_record(store, name, seed, geometry=None, kind="flat", options=Non
     values = torch.randn(H, N, D, generator=generator)
     index = {
         "kind": kind,
-        "k": 16,
+        "top_k": 16,
         "window": 0,
         "sinks": 0,
         "budget": 0.1,
@@ -69,7 +69,7 @@ def test_the_cache_evicts_the_least_recently_used_context_over_budget():
 def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     store = EmbeddedStore(tmp_path)
     record = _committed_record(store, "a", 3)
-    params = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    params = AttendParams(mode="tail", top_k=16, budget=0.1, window=0, sinks=0)
     queries = torch.randn(H, 4, D)
     engine = _engine(store, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
@@ -102,7 +102,7 @@ def test_intra_op_threads_are_set_inside_the_block_and_restored_after_it():
 def test_sparse_attention_runs_on_sparse_threads_and_builds_indexes_on_all(monkeypatch, mode):
     store = EmbeddedStore()
     record = _committed_record(store, "a", 5)
-    params = AttendParams(mode=mode, k=16, budget=0.1, window=0, sinks=0)
+    params = AttendParams(mode=mode, top_k=16, budget=0.1, window=0, sinks=0)
     queries = torch.randn(H, 3, D)
     before = 2  # set below, so that it differs from sparse_threads on any machine
     seen = {"attention": [], "clusters": [], "index": []}
@@ -161,7 +161,7 @@ def test_search_indexes_are_built_once_and_shared_through_the_store(
 ):
     store = EmbeddedStore(tmp_path)
     record = _committed_record(store, "a", 4, geometry, kind, options)
-    params = AttendParams(mode="topk", k=16, budget=0.1, window=0, sinks=0)
+    params = AttendParams(mode="topk", top_k=16, budget=0.1, window=0, sinks=0)
     queries = torch.randn(H, 5, D)
     engine = _engine(store, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
@@ -192,7 +192,7 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
     values = torch.randn(H, n0 + appends, D, generator=generator)
     info = {"id": "grow", "name": None, "geometry": {"name": "dot"}, "heads": H, "head_dim": D,
             "value_dim": D, "dtype": "float32",
-            "index": {"kind": "ivf", "k": 16, "window": 0, "sinks": 0, "budget": 0.05,
+            "index": {"kind": "ivf", "top_k": 16, "window": 0, "sinks": 0, "budget": 0.05,
                       "options": {}}}  # fmt: skip
     store.create("ns", info)
 
@@ -205,7 +205,7 @@ def test_appends_extend_the_cached_version_with_the_answers_of_a_fresh_load():
     engine = _engine(store, open_segment=OPEN_SEGMENT)
     queries = torch.randn(H, 5, D, generator=generator)
     every_mode = [
-        AttendParams(mode=mode, k=16, budget=0.05, window=0, sinks=0, return_topk=4)
+        AttendParams(mode=mode, top_k=16, budget=0.05, window=0, sinks=0, return_topk=4)
         for mode in ("tail", "topk", "exact")
     ]
     record = commit(0, n0)
@@ -268,7 +268,7 @@ def test_the_open_segment_is_read_exactly_and_merged_with_the_indexed_keys():
     loaded = engine.context("ns", record)
     assert loaded.sealed == 512
     recent = dense_attention(queries, keys[:, 512:], values[:, 512:], geometry)
-    tail = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    tail = AttendParams(mode="tail", top_k=16, budget=0.1, window=0, sinks=0)
     got = engine.attend(loaded, queries, tail)
     for head in range(H):
         clusters = KeyClusters.build(geometry.witness(keys[head, :512]), values[head, :512],
@@ -279,7 +279,7 @@ def test_the_open_segment_is_read_exactly_and_merged_with_the_indexed_keys():
         )
         torch.testing.assert_close(got["out"][head], expected[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got["lse"][head], expected[1], rtol=1e-5, atol=1e-6)
-    every = AttendParams(mode="topk", k=1024, budget=0.1, window=0, sinks=0, return_topk=5)
+    every = AttendParams(mode="topk", top_k=1024, budget=0.1, window=0, sinks=0, return_topk=5)
     got = engine.attend(loaded, queries, every)
     dense = dense_attention(queries, keys, values, geometry)
     torch.testing.assert_close(got["out"], dense[0], rtol=1e-5, atol=1e-6)
@@ -328,7 +328,7 @@ def test_an_attend_does_not_wait_for_a_build_it_reads_what_is_not_indexed_exactl
     engine = _engine(store, exact_while_building=H * 4 * N)
     loaded = engine.context("ns", record)
     for mode in ("tail", "topk"):
-        params = AttendParams(mode=mode, k=16, budget=0.1, window=0, sinks=0, return_topk=3)
+        params = AttendParams(mode=mode, top_k=16, budget=0.1, window=0, sinks=0, return_topk=3)
         got = engine.attend(loaded, queries, params)
         dense = dense_attention(queries, keys, values, geometry)
         torch.testing.assert_close(got["out"], dense[0], rtol=1e-5, atol=1e-6)
@@ -339,7 +339,7 @@ def test_an_attend_does_not_wait_for_a_build_it_reads_what_is_not_indexed_exactl
     release.set()
     engine.build_indexes(loaded, ["tail", "topk"])
     assert engine.index_state("ns", record)["built"] == ["tail", "topk"]
-    tail = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    tail = AttendParams(mode="tail", top_k=16, budget=0.1, window=0, sinks=0)
     got = engine.attend(loaded, queries, tail)
     expected = _engine(store).attend(_engine(store).context("ns", record), queries, tail)
     torch.testing.assert_close(got["out"], expected["out"], rtol=1e-5, atol=1e-6)
@@ -355,7 +355,7 @@ def test_while_a_filled_segment_is_indexed_the_earlier_index_answers(monkeypatch
     geometry = make_geometry("dot", D)
     queries = torch.randn(H, 4, D, generator=torch.Generator().manual_seed(24))
     engine = _engine(store, exact_while_building=H * 4 * 300)
-    params = AttendParams(mode="tail", k=16, budget=0.1, window=0, sinks=0)
+    params = AttendParams(mode="tail", top_k=16, budget=0.1, window=0, sinks=0)
     earlier = engine.context("ns", record)
     engine.build_indexes(earlier, ["tail"])
     upload = store.begin_upload("ns", "a")
@@ -391,7 +391,7 @@ def test_a_failed_build_is_reported_by_the_next_attend_and_started_again(monkeyp
     engine = _engine(store, exact_while_building=1 << 30)
     loaded = engine.context("ns", record)
     queries = torch.randn(H, 4, D)
-    params = AttendParams(mode="topk", k=16, budget=0.1, window=0, sinks=0)
+    params = AttendParams(mode="topk", top_k=16, budget=0.1, window=0, sinks=0)
 
     def broken(*_):
         raise RuntimeError("the device fell over")

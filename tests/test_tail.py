@@ -18,6 +18,7 @@ from rewa.index import (
     quality,
     retrieval_attention,
     tail_attention,
+    tail_attention_with_reads,
 )
 from rewa.index.tail import select_clusters, shift_dtype
 from rewa.index.tail import unread as unread_module
@@ -69,13 +70,12 @@ def test_visiting_every_cluster_is_dense_attention(name):
     g = build_geometry(name, 8)
     q, k, v = _inputs()
     clusters = _clusters(k, v, g, n_clusters=12)
-    report = {}
     with torch.no_grad():
-        out, lse = tail_attention(q, clusters, budget=1.0, report=report)
+        out, lse, keys_read = tail_attention_with_reads(q, clusters, budget=1.0)
         expected_out, expected_lse = dense_attention(q, k, v, g)
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
-    assert (report["keys_read"] == 400).all()
+    assert (keys_read == 400).all()
 
 
 @pytest.mark.parametrize("name", TAIL_GEOMETRIES)
@@ -85,11 +85,10 @@ def test_the_estimate_is_exact_for_one_key_per_cluster(name):
     q, k, v = _inputs(n_keys=40)
     clusters = _clusters(k, v, g, n_clusters=40)
     assert (clusters.counts == 1).all()
-    report = {}
     with torch.no_grad():
-        out, lse = tail_attention(q, clusters, budget=0.0, report=report)
+        out, lse, keys_read = tail_attention_with_reads(q, clusters, budget=0.0)
         expected_out, expected_lse = dense_attention(q, k, v, g)
-    assert (report["keys_read"] == 0).all()
+    assert (keys_read == 0).all()
     torch.testing.assert_close(out, expected_out, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-9, atol=1e-9)
 
@@ -148,12 +147,13 @@ def test_window_and_sink_keys_are_read_exactly_and_not_estimated_twice():
         full = retrieval_attention(
             q, k, v, g, index=clusters, budget=1.0, tail=True, window=50, sinks=4
         )
-        report = {}
-        tail_attention(q, clusters, budget=0.1, always=torch.arange(30), report=report)
+        keys_read = tail_attention_with_reads(
+            q, clusters, budget=0.1, always=torch.arange(30)
+        ).keys_read
     for result in (every, full):
         torch.testing.assert_close(result[0], expected[0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(result[1], expected[1], rtol=1e-10, atol=1e-12)
-    assert (report["keys_read"] <= 40).all() and (report["keys_read"] >= 30).all()
+    assert (keys_read <= 40).all() and (keys_read >= 30).all()
 
 
 @pytest.mark.parametrize("name", ["dot", "poincare", "product"])
@@ -198,9 +198,8 @@ def test_tail_beats_exact_only_sparse_attention_at_the_same_keys_read(make_data)
         clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=256)
         results = {}
         for tail in (False, True):
-            report = {}
-            out, lse = tail_attention(queries, clusters, budget=0.02, tail=tail, report=report)
-            results[tail] = quality(out, lse, *reference, report["keys_read"], 8192)
+            result = tail_attention_with_reads(queries, clusters, budget=0.02, tail=tail)
+            results[tail] = quality(result.out, result.lse, *reference, result.keys_read, 8192)
     print(f"\n{data.name} N=8192, 2% of keys: exact-only {results[False]}, tail {results[True]}")
     assert results[True]["keys_read_frac"] == results[False]["keys_read_frac"] <= 0.02
     assert results[True]["err_median"] < results[False]["err_median"]
@@ -263,10 +262,9 @@ def test_keys_read_respect_the_budget():
     g = data.geometry()
     clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=256)
     for budget in (0.0, 0.01, 0.05):
-        report = {}
-        tail_attention(data.q[:64], clusters, budget=budget, report=report)
-        assert (report["keys_read"] <= budget * 8192).all()
-    assert report["keys_read"].float().mean() > 0.5 * 0.05 * 8192
+        keys_read = tail_attention_with_reads(data.q[:64], clusters, budget=budget).keys_read
+        assert (keys_read <= budget * 8192).all()
+    assert keys_read.float().mean() > 0.5 * 0.05 * 8192
 
 
 def test_clusters_serialise_round_trip():
@@ -493,9 +491,8 @@ def test_outlier_keys_form_one_cluster_read_after_each_querys_most_massive():
             expected = [top, 40] if fits[i] else [top]
             assert visited[i][: len(expected)] == expected
             assert (40 in visited[i]) == fits[i]
-        report = {}
-        tail_attention(q, clusters, budget=budget / 2000, report=report)
-        assert (report["keys_read"] >= 20).all() and (report["keys_read"] <= budget).all()
+        keys_read = tail_attention_with_reads(q, clusters, budget=budget / 2000).keys_read
+        assert (keys_read >= 20).all() and (keys_read <= budget).all()
         # A budget that cannot hold them: no query reads them.
         pairs = select_clusters(log_mass, clusters.counts, 10, clusters.exact_read)
         assert 40 not in pairs[1].tolist()
@@ -514,9 +511,8 @@ def test_reading_far_keys_exactly_lowers_the_error_of_heavy_tailed_clusters():
         errors = {}
         for outliers in (0.0, 0.01):
             clusters = _clusters(k, v, g, n_clusters=40, outliers=outliers)
-            report = {}
-            out, lse = tail_attention(q, clusters, budget=0.05, report=report)
-            errors[outliers] = quality(out, lse, *expected, report["keys_read"], 2000)
+            result = tail_attention_with_reads(q, clusters, budget=0.05)
+            errors[outliers] = quality(result.out, result.lse, *expected, result.keys_read, 2000)
     print(f"\nplanted far keys, 5 % read: without {errors[0.0]}, with {errors[0.01]}")
     # The comparison is at no more keys read with the outliers than without.
     assert errors[0.01]["keys_read_frac"] <= errors[0.0]["keys_read_frac"] <= 0.05

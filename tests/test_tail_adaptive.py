@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import ClusterHeads, KeyClusters, quality, tail_attention, tail_attention_heads
+from rewa.index import (
+    ClusterHeads,
+    KeyClusters,
+    quality,
+    tail_attention,
+    tail_attention_heads,
+    tail_attention_with_reads,
+)
 from rewa.index import tail as tail_module
 from rewa.index.clusters import _nearest, _points, default_cluster_keys
 from rewa.index.tail import ClusterEstimate, calibrated, estimate_clusters
@@ -95,9 +102,8 @@ def test_a_sharp_query_reads_its_most_massive_cluster_at_a_small_budget():
     with torch.no_grad():
         for name, cap in (("uncut", 0), ("cut", None)):
             clusters = KeyClusters.build(k, v, g, max_cluster_keys=cap)
-            report = {}
-            out, lse = tail_attention(q, clusters, budget=0.02, report=report)
-            errors[name] = quality(out, lse, *expected, report["keys_read"], len(k))
+            result = tail_attention_with_reads(q, clusters, budget=0.02)
+            errors[name] = quality(result.out, result.lse, *expected, result.keys_read, len(k))
     assert errors["cut"]["keys_read_frac"] <= 0.02
     assert errors["uncut"]["err_median"] > 0.5  # the query's own group is not read
     assert errors["cut"]["err_median"] < 0.2 * errors["uncut"]["err_median"]

@@ -7,7 +7,15 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import ClusterHeads, KeyClusters, LocalMemory, tail_attention, tail_attention_heads
+from rewa.index import (
+    ClusterHeads,
+    KeyClusters,
+    LocalMemory,
+    tail_attention,
+    tail_attention_heads,
+    tail_attention_heads_with_reads,
+    tail_attention_with_reads,
+)
 from rewa.index import tail as tail_module
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
@@ -49,23 +57,19 @@ def test_heads_in_one_call_equal_one_call_per_head(name, options):
     queries, _, _, clusters = _heads(geometry)
     assert len({c.n_clusters for c in clusters}) == HEADS  # padding is exercised
     with torch.no_grad():
-        per_head, reports = [], []
-        for h in range(HEADS):
-            report = {}
-            per_head.append(
-                tail_attention(queries[h], clusters[h], budget=0.05, report=report, **options)
-            )
-            reports.append(report["keys_read"])
-        report = {}
-        out, lse = tail_attention_heads(
-            queries, ClusterHeads.stacked(clusters), budget=0.05, report=report, **options
+        per_head = [
+            tail_attention_with_reads(queries[h], clusters[h], budget=0.05, **options)
+            for h in range(HEADS)
+        ]
+        out, lse, keys_read = tail_attention_heads_with_reads(
+            queries, ClusterHeads.stacked(clusters), budget=0.05, **options
         )
     assert out.shape == (HEADS, 7, VALUE_DIM) and lse.shape == (HEADS, 7)
     for h in range(HEADS):
         torch.testing.assert_close(out[h], per_head[h][0], rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(lse[h], per_head[h][1], rtol=1e-9, atol=1e-9)
-    assert torch.equal(report["keys_read"], torch.stack(reports))
-    assert (report["keys_read"] > 0).all()
+    assert torch.equal(keys_read, torch.stack([result.keys_read for result in per_head]))
+    assert (keys_read > 0).all()
 
 
 def test_a_head_whose_reference_overflows_is_redone_alone(monkeypatch):

@@ -11,11 +11,14 @@ The stages, one module each:
 - `unread`: the estimate of every other cluster, values shifted by the cross-covariances.
 
 `tail_attention` (one head) and `tail_attention_heads` (several heads in one call) run them in
-that order."""
+that order and answer `(out, lse)`, as every attention function does; `tail_attention_with_reads`
+and `tail_attention_heads_with_reads` answer a `TailAttention`, which adds the keys each query
+read."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +35,7 @@ from .unread import _tail_estimate, cpu_multiplies_bfloat16, shift_dtype
 
 __all__ = [
     "ClusterEstimate",
+    "TailAttention",
     "calibrated",
     "cpu_multiplies_bfloat16",
     "estimate_clusters",
@@ -39,7 +43,19 @@ __all__ = [
     "shift_dtype",
     "tail_attention",
     "tail_attention_heads",
+    "tail_attention_heads_with_reads",
+    "tail_attention_with_reads",
 ]
+
+
+class TailAttention(NamedTuple):
+    """Tail attention's answer with its cost: `out (..., nq, dv)`, `lse (..., nq)` and
+    `keys_read (..., nq)`, the keys each query read exactly (the clusters it visited, the
+    `always` keys); the leading axis is the heads' for `tail_attention_heads_with_reads`."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    keys_read: torch.Tensor
 
 
 def tail_attention(
@@ -50,7 +66,6 @@ def tail_attention(
     tail: bool = True,
     always: torch.Tensor | None = None,
     query_block: int = 1024,
-    report: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention `(out (nq, dv), lse (nq,))` of ambient queries `(nq, d)` over a clustered
     context: exact over the clusters each query visits (`select_clusters`, within `budget`, a
@@ -59,25 +74,33 @@ def tail_attention(
     merged in, and `lse` estimates the full log-partition. `tail=False` is exact-only sparse
     attention over the same keys.
 
-    `report`, if a dict, receives `keys_read` `(nq,)`: keys read exactly per query.
     Gradients reach the queries (the clustered keys and statistics are constants).
-    `tail_attention_heads` does the same for several heads at once.
+    `tail_attention_heads` does the same for several heads at once; `tail_attention_with_reads`
+    also answers the keys each query read.
     """
+    result = tail_attention_with_reads(
+        q, clusters, budget=budget, tail=tail, always=always, query_block=query_block
+    )
+    return result.out, result.lse
+
+
+def tail_attention_with_reads(
+    q: torch.Tensor,
+    clusters: KeyClusters,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+) -> TailAttention:
+    """`tail_attention` with the keys each query read exactly, `keys_read (nq,)`."""
     if q.dim() != 2 or q.shape[-1] != clusters.geometry.dim:
         raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
     heads = ClusterHeads.stacked([clusters])
-    out, lse = tail_attention_heads(
-        q.unsqueeze(0),
-        heads,
-        budget=budget,
-        tail=tail,
-        always=always,
-        query_block=query_block,
-        report=report,
+    result = tail_attention_heads_with_reads(
+        q.unsqueeze(0), heads, budget=budget, tail=tail, always=always, query_block=query_block
     )
-    if report is not None:
-        report["keys_read"] = report["keys_read"][0]
-    return out[0], lse[0]
+    return TailAttention(*(t[0] for t in result))
 
 
 def tail_attention_heads(
@@ -88,7 +111,6 @@ def tail_attention_heads(
     tail: bool = True,
     always: torch.Tensor | None = None,
     query_block: int = 1024,
-    report: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`tail_attention` of the queries `(H, nq, d)` of H heads over those heads' clusters
     (`ClusterHeads`; head h's queries read head h's keys): `(out (H, nq, dv), lse (H, nq))`.
@@ -97,7 +119,24 @@ def tail_attention_heads(
     one pass (batched matrix products over the head axis, one selection over the heads'
     queries), the exact part per head; a decode step (a few queries per head) costs a fixed
     number of operations instead of that number per head. `always` (key ids) holds for every
-    head; `report["keys_read"]` is `(H, nq)`."""
+    head."""
+    result = tail_attention_heads_with_reads(
+        q, heads, budget=budget, tail=tail, always=always, query_block=query_block
+    )
+    return result.out, result.lse
+
+
+def tail_attention_heads_with_reads(
+    q: torch.Tensor,
+    heads: ClusterHeads,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int = 1024,
+) -> TailAttention:
+    """`tail_attention_heads` with the keys each query of each head read exactly,
+    `keys_read (H, nq)`."""
     geometry = heads.geometry
     if q.dim() != 3 or q.shape[0] != heads.n_heads or q.shape[-1] != geometry.dim:
         raise ValueError(
@@ -162,9 +201,9 @@ def tail_attention_heads(
         lses.append(lse.view(n_heads, n_queries))
         read = pair_counts.new_zeros(n_heads * n_queries).index_add_(0, pair_query, pair_counts)
         reads.append(read.view(n_heads, n_queries) + n_always)
-    if report is not None:
-        report["keys_read"] = torch.cat(reads, dim=1)
-    return geometry.output_map(torch.cat(outs, dim=1)), torch.cat(lses, dim=1)
+    return TailAttention(
+        geometry.output_map(torch.cat(outs, dim=1)), torch.cat(lses, dim=1), torch.cat(reads, dim=1)
+    )
 
 
 def _per_row(stacked: torch.Tensor, n_queries: int) -> torch.Tensor:
