@@ -2,9 +2,10 @@
 
 Tiled attention allocates and frees the same few megabyte-sized buffers thousands of times. With
 glibc's defaults those blocks are mmapped or trimmed on free, so every new tile starts with page
-faults on fresh zeroed pages; measured here, that made the distance geometries' dense attention
-about 1.5-2x slower. `retain_freed_memory()` raises glibc's mmap threshold to its maximum (32 MiB)
-and its trim threshold to 512 MiB, once per process. Set `REWA_MALLOC_TUNING=0` to leave the
+faults on fresh zeroed pages, which slows the distance geometries' dense attention
+(docs/benchmark-notes.md, "Measurements behind code choices"). `retain_freed_memory()` raises
+glibc's mmap threshold to its maximum (32 MiB) and its trim threshold to 512 MiB, once per
+process. Set `REWA_MALLOC_TUNING=0` to leave the
 allocator alone (for example when running under jemalloc or tcmalloc).
 """
 

@@ -32,8 +32,8 @@ MAX_EXTRA = 2
 STAGE_CODES = {"clamp_to_zero": 1, "sqrt": 2, "arcsin_of_root": 3, "acosh1p": 4, "square": 5}
 INPUT_PRECISION = "tf32x3"
 """`tl.dot`'s input precision: "tf32x3" (three TF32 tensor-core products with float32's
-accuracy, as cuBLAS's 3xTF32) or "ieee" (float32 on the FMA units: 1.1-3.1x slower on an H100 at
-N = 8192, 1.5-4.6x at 32768, and no closer to float64)."""
+accuracy, as cuBLAS's 3xTF32) or "ieee" (float32 on the FMA units: slower, and no closer to
+float64; docs/benchmark-notes.md, "Measurements behind code choices")."""
 EXP2_FLOOR = -64.0 * math.log2(math.e)
 """The floor of the shifted base-2 logits (`numerics.exp_of_shifted_`'s -64 nats)."""
 

@@ -44,11 +44,11 @@ _EXP_FLOOR = {torch.float64: -690.0, torch.float32: -64.0}
 
 def exp_of_shifted_(shifted: torch.Tensor, may_be_masked: bool) -> torch.Tensor:
     """`exp` in place of logits already shifted by their row maximum (so <= 0), floored first at
-    -64 (float32; -690 in float64): exp's underflow path (results below 1e-38) runs 8-12x slower
-    on CPU, and so do products with subnormal weights, which made dense attention over sharply
-    peaked rows up to 15x slower (torch.exp on (4096, 8192) inputs in [-110, -100]: 595 ms, in
-    [-60, -50]: 42 ms). A floored term weighs at most 1.6e-28 against the row maximum's 1, far
-    below float32 resolution for any number of keys. Masked entries (-inf) stay exactly 0 when
+    -64 (float32; -690 in float64): exp's underflow path (results below 1e-38) is slow on CPU,
+    and so are products with subnormal weights, which made dense attention over sharply
+    peaked rows many times slower (docs/benchmark-notes.md, "Measurements behind code
+    choices"). A floored term weighs at most 1.6e-28 against the row maximum's 1, far below
+    float32 resolution for any number of keys. Masked entries (-inf) stay exactly 0 when
     `may_be_masked`."""
     return _floored_exp_(shifted, may_be_masked, 1.0, torch.Tensor.exp_)
 

@@ -19,7 +19,8 @@ from .numerics import compute_dtype
 
 CHUNK_ELEMENTS = 1 << 22
 """Gathered elements (queries x candidates x dim) per chunk: 16 MiB in float32, below glibc's
-largest mmap threshold so that chunk buffers are reused (measured 2x faster than 64 MiB)."""
+largest mmap threshold so that chunk buffers are reused (docs/benchmark-notes.md,
+"Measurements behind code choices")."""
 
 
 def sparse_attention(
@@ -135,9 +136,9 @@ def attend_scored(
     """Softmax attention over keys already scored: logits and key ids `(B, c, K)` (`-inf` for
     padding; padded ids may be anything in range), values `(B, nk, dv)` -> `(out (B, c, dv),
     lse (B, c))`; a row with no finite logit gets `(0, -inf)`. Rows go in blocks whose
-    gathered values hold about `CHUNK_ELEMENTS` numbers: gathering all at once (131,072
-    queries x 64 keys x 64 dims, 2 GiB) spent 1.9 s of a 6.2 s IVF self-attention in
-    first-touch page faults."""
+    gathered values hold about `CHUNK_ELEMENTS` numbers: gathering all at once spends much of
+    the time in first-touch page faults (docs/benchmark-notes.md, "Measurements behind code
+    choices")."""
     block = max(1, CHUNK_ELEMENTS // max(1, ids.shape[-1] * values.shape[-1]))
     outs, lses = [], []
     retain_freed_memory()

@@ -13,8 +13,8 @@ from rewa.attention import Geometry
 
 CHUNK_ELEMENTS = 1 << 22
 """`best_candidates` scores blocks of queries whose gathered keys hold about this many numbers
-(16 MiB in float32): one block for all queries gathered gigabytes (16,384 queries x ~1,500 LSH
-candidates x 64 dimensions) and took 16 s, most of it in memory traffic."""
+(16 MiB in float32): one block for all queries gathers gigabytes, and the time goes to memory
+traffic (docs/benchmark-notes.md, "Measurements behind code choices")."""
 
 
 @dataclass(frozen=True)

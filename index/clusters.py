@@ -930,7 +930,8 @@ def _inserted(rows: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.
     if rows.device.type != "cpu":
         return torch.cat(parts)
     # numpy's allocator asks the kernel for huge pages for large arrays, which makes this copy
-    # about twice as fast as torch.cat's (docs/benchmark-notes.md, "Appends").
+    # about twice as fast as torch.cat's (docs/benchmark-notes.md,
+    # "Appends and builds of the clustered tail (issue 23)").
     return torch.from_numpy(np.concatenate([part.numpy() for part in parts]))
 
 

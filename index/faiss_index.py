@@ -66,7 +66,8 @@ class IndexSettings:
     nlist: IVF cells (default: about P / 256, at least 1, P the trained prefix of the keys,
         `growth.trained_prefix`). nprobe: cells visited per query.
     train_points_per_list: k-means training sample per cell (FAISS's default is 256; 64 trains
-        4x faster with the same recall on the benchmark data).
+        faster with the same recall: docs/benchmark-notes.md, "Measurements behind code
+        choices").
     ip_as_l2: index an inner-product lift in L2 on augmented vectors (IVF, HNSW); None decides
         from the keys: when the largest key norm exceeds twice the median.
     hnsw_m, ef_search: HNSW graph degree and search breadth.

@@ -318,8 +318,8 @@ PROBE_SCALES = (0.0, 0.1, 1.0, 10.0)
 
 @functools.lru_cache(maxsize=256)
 def _probe(spec: str, head_dim: int) -> str | None:
-    """`probe_geometry` of a spec's (JSON) geometry. It takes 1-7 ms, so results are kept per
-    spec: a client sending stateless requests with one geometry pays once."""
+    """`probe_geometry` of a spec's (JSON) geometry. It takes milliseconds, so results are kept
+    per spec: a client sending stateless requests with one geometry pays once."""
     return probe_geometry(geometry_of(json.loads(spec), head_dim), head_dim)
 
 

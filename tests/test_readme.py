@@ -157,3 +157,30 @@ def test_the_quick_start_runs_against_a_live_server(tmp_path):
         [float(x) for x in " ".join(answer[1:]).replace("[", " ").replace("]", " ").split()]
     )
     assert lse.shape == (32,) and np.isfinite(lse).all()  # the (8, 4) lse, decoded
+
+
+DOC_SECTION = re.compile(r'(?:docs/)?([a-z-]+)\.md,?\s+"([^"]+)"')
+
+
+def test_code_points_to_sections_that_exist():
+    """A comment or docstring that names a section of a document (`docs/indexes.md, "Appends"`)
+    names one that the document has."""
+    headings = {
+        path.stem: {
+            line.lstrip("#").strip().lower()
+            for line in path.read_text().splitlines()
+            if line.startswith("#")
+        }
+        for path in (ROOT / "docs").glob("*.md")
+    }
+    missing, found = [], 0
+    for package in ("attention", "index", "service", "clients", "llm", "research", "benchmarks"):
+        for path in (ROOT / package).rglob("*.py"):
+            # References wrap across lines, inside comments too.
+            text = re.sub(r"\n\s*#?\s*", " ", path.read_text())
+            for document, section in DOC_SECTION.findall(text):
+                found += 1
+                if section.lower() not in headings.get(document, ()):
+                    missing.append(f"{path.relative_to(ROOT)}: {document}.md, {section!r}")
+    assert found > 30
+    assert not missing, "\n".join(missing)

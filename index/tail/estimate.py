@@ -112,11 +112,11 @@ def _estimate_heads(
         mean = torch.baddbmm(features.c[..., i : i + 1], a, heads.mean[..., block].transpose(1, 2))
         # F_c^T a for every cluster in one matrix product: (nq, D) @ (D, r * nc) per head,
         # rank-major (summing over the rank is then a reduction over a middle dimension of
-        # length r, not over a last dimension of length r: 2-3x faster on the CPU at r = 4).
+        # length r, not over a last dimension of length r, faster on the CPU: benchmark-notes).
         factor = heads.factor_by_rank[:, block].reshape(n_heads, a.shape[-1], -1)
         projection = (a @ factor).view(n_heads, n_queries, rank, n_clusters)
-        # One in-place pass per rank, not square() and sum over the whole projection: 2.5x
-        # faster at (1024, 4, 257).
+        # One in-place pass per rank, not square() and sum over the whole projection (faster;
+        # docs/benchmark-notes.md, "Measurements behind code choices").
         variance = a.square() @ heads.residual[..., block].transpose(1, 2)
         for r in range(rank):
             variance.addcmul_(projection[:, :, r], projection[:, :, r])

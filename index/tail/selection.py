@@ -54,8 +54,8 @@ def select_clusters(
         best = torch.cat([best[:, :1], forced, best[:, 1:]], dim=1)
         sizes = torch.cat([sizes[:, :1], forced_sizes, sizes[:, 1:]], dim=1)
     if sizes.device.type == "cpu":
-        # The walk is `width` steps of a few small operations each: numpy's cost 1-2 us less
-        # per operation than PyTorch's.
+        # The walk is `width` steps of a few small operations each, and numpy's cost less per
+        # operation than PyTorch's (docs/benchmark-notes.md, "Measurements behind code choices").
         sizes = sizes.detach().numpy()
     chosen = sizes > 0  # overwritten column by column
     remaining = sizes[:, 0] * 0 + budget_keys
@@ -71,9 +71,9 @@ def _most_massive(log_mass: torch.Tensor, width: int) -> torch.Tensor:
     """The columns of the `width` largest entries of each row `(nq, width)`, largest first.
 
     On the CPU, `width` rounds of numpy's `argmax` (ties: the lower column first), each
-    masking the entry it found with `-inf`: `topk` over 1024 x 257 took 1.2-1.4 ms on this
-    machine, a round 40-50 us. A row whose finite entries run out would get a masked column
-    twice; then `topk` answers instead."""
+    masking the entry it found with `-inf`, which costs less than `topk` for the few columns a
+    query reads (docs/benchmark-notes.md, "Measurements behind code choices"). A row whose
+    finite entries run out would get a masked column twice; then `topk` answers instead."""
     if log_mass.device.type != "cpu" or log_mass.dtype not in (torch.float32, torch.float64):
         return log_mass.topk(width, dim=-1).indices
     masses = log_mass.detach().numpy()

@@ -104,8 +104,8 @@ def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tor
     """`a @ b` for each pair. Products of at most `NUMPY_SHIFT_ROWS` rows (a decode step's
     queries) on the CPU without autograd go to numpy's BLAS, on one thread per product, the
     products spread over PyTorch's number of threads when they read more than
-    `PARALLEL_SHIFT_BYTES`: PyTorch's product of a few rows by a wide matrix ran up to 2x slower
-    than numpy's, and numpy's BLAS on two threads leaves them spinning after the call, which
+    `PARALLEL_SHIFT_BYTES`: PyTorch's product of a few rows by a wide matrix ran slower than
+    numpy's, and numpy's BLAS on two threads leaves them spinning after the call, which
     slowed the PyTorch operations that follow by milliseconds on a two-core machine. Products
     of more rows are compute-bound, and PyTorch's threads do them faster (docs/
     benchmark-notes.md, "The value shift of a decode step")."""
@@ -154,9 +154,8 @@ def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
     The shift is a first-order correction of the estimated clusters' value means, so
     bfloat16's 8-bit mantissa costs it a relative 2^-8 or so of a term that is itself a
-    fraction of the output. A (1024 x 257) @ (257 x 1024) product took 2.7-5.2 ms in float32
-    and 0.7-2.0 ms in bfloat16 on an AMX CPU (the machine's speed drifting), 3.0-3.7 ms and
-    1.3-1.4 ms on an AVX-512 BF16 CPU without AMX."""
+    fraction of the output, and the product runs 2-4x faster where the hardware multiplies
+    bfloat16 (docs/benchmark-notes.md, "Measurements behind code choices")."""
     if dtype != torch.float32:
         return dtype
     if device.type == "cuda":
@@ -167,7 +166,6 @@ def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 @functools.cache
 def cpu_multiplies_bfloat16() -> bool:
     """Whether this CPU has instructions that multiply bfloat16 natively (AMX tiles or AVX-512
-    BF16): oneDNN then multiplies bfloat16 matrices faster than float32 ones (`shift_dtype`
-    has the times measured)."""
+    BF16): oneDNN then multiplies bfloat16 matrices faster than float32 ones."""
     checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
