@@ -184,23 +184,27 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     layer = result["layer_step"]
-    names = [name for name in ("local", "http") if name in layer]
-    bars = [layer[name]["rewa_p50_ms"] for name in names]
-    labels = [f"rewa {name}\nsharp" for name in names]
-    colors = ["tab:blue", "tab:orange"][: len(names)]
+    budget = layer["local"]["budget"]
+    steps = [(f"local\nsharp {budget:.0%}", layer["local"], "tab:blue")]
+    if "layer_step_low_budget" in result:
+        low = result["layer_step_low_budget"]
+        steps.append((f"local\nsharp {low['budget']:.0%}", low, "tab:green"))
     if "layer_step_diffuse" in result:
-        bars.append(result["layer_step_diffuse"]["rewa_p50_ms"])
-        labels.append("rewa local\ndiffuse")
-        colors.append("tab:cyan")
-    bars.append(layer[names[0]]["sdpa_p50_ms"])
-    labels.append("dense SDPA")
-    colors.append("tab:gray")
-    left.bar(labels, bars, color=colors)
+        diffuse = result["layer_step_diffuse"]
+        steps.append((f"local\ndiffuse {diffuse['budget']:.0%}", diffuse, "tab:cyan"))
+    if "http" in layer:
+        steps.append((f"HTTP\nsharp {budget:.0%}", layer["http"], "tab:orange"))
+    steps.append(("dense SDPA", {"rewa_p50_ms": layer["local"]["sdpa_p50_ms"]}, "tab:gray"))
+    left.bar([label for label, *_ in steps], [s["rewa_p50_ms"] for _, s, _ in steps],
+             color=[color for *_, color in steps])  # fmt: skip
+    for target, label, style in ((10, "target in process, 10 ms", ":"),
+                                 (25, "target over HTTP, 25 ms", "--")):  # fmt: skip
+        left.axhline(target, color="black", linestyle=style, linewidth=1, label=label)
+    left.legend(loc="upper left", fontsize=8)
     left.set_ylabel("ms per layer per token (median)")
-    budget = layer[names[0]]["budget"]
-    left.set_title(f"decode step, {result['tokens']} tokens, tail {budget:.0%}", fontsize=10)
+    left.set_title(f"one layer's decode step at {result['tokens']} tokens", fontsize=10)
     if "generation" in result:
         rates = result["generation"]
         right.bar(["rewa (tail)", "full attention"],
@@ -221,7 +225,11 @@ def main() -> None:
     parser.add_argument("--low-budget", type=float, default=0.01)
     parser.add_argument("--no-http", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "llm_decode")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.out.with_suffix(".json").read_text()), args.out.with_suffix(".png"))
+        return
     result = {"tokens": args.tokens, "q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,
               "threads": torch.get_num_threads(), "layer_step": {}}  # fmt: skip
     memories = local_memories(mode="tail", budget=args.budget)
