@@ -28,6 +28,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.measure import cpu_description
 from rewa.attention import Geometry, dense_attention, make_geometry
 
 GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
@@ -53,6 +54,7 @@ def attend(q, k, v, geometry: Geometry | None, mask: torch.Tensor | None) -> tor
 
 def run(sizes: list[int], thread_counts: list[int], rounds: int, d: int = 64) -> list[dict]:
     records = []
+    cpu = cpu_description()
     configurations = methods(d)
     for threads in thread_counts:
         torch.set_num_threads(threads)
@@ -77,6 +79,7 @@ def run(sizes: list[int], thread_counts: list[int], rounds: int, d: int = 64) ->
                     "threads": threads,
                     "seconds": round(seconds, 4),
                     "vs_sdpa": round(seconds / best[0], 3),
+                    "cpu": cpu,
                 }
                 records.append(record)
                 print(json.dumps(record), flush=True)

@@ -57,3 +57,15 @@ def best_times(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, 
             fn()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def cpu_description() -> str:
+    """This machine's CPU model and the vector instructions PyTorch uses on it, e.g. "AMD EPYC
+    (AVX2)": CPU benchmark ratios depend on both (SDPA's CPU kernel most of all)."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else ""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+    name = model.group(1).strip() if model else "unknown CPU"
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"

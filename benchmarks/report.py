@@ -32,6 +32,8 @@ def dense_section(records: list[dict]) -> str:
         "head, d = 64, float32, no gradient, every geometry at its defaults against",
         "`scaled_dot_product_attention`. Target: every distance geometry within 3x of SDPA (goal",
         "1.5x); how the fused path works: [mathematics](mathematics.md#fused-dense-attention).",
+        f"Measured on {records[0].get('cpu', 'an earlier machine')}: the ratios depend on the CPU,",
+        "SDPA's kernel most of all.",
         "",
     ]
     columns = sorted({(r["threads"], r["n"]) for r in records})
