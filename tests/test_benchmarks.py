@@ -24,8 +24,9 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
     records = run_benchmark(
         "dense", tmp_path, "--sizes", "256", "512", "--threads", "1", "2", "--rounds", "1"
     )
-    keys = {"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa"}
+    keys = {"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa", "cpu"}
     assert all(set(r) == keys for r in records)
+    assert len({r["cpu"] for r in records}) == 1 and records[0]["cpu"].endswith(")")
     methods = {(r["method"], r["geometry"]) for r in records}
     assert ("sdpa", "dot") in methods and ("rewa-tiled", "dot") in methods
     assert {g for m, g in methods if m == "rewa"} == {
