@@ -18,7 +18,7 @@ read."""
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, TypedDict, Unpack
 
 import torch
 
@@ -36,6 +36,7 @@ from .unread import _tail_estimate, cpu_multiplies_bfloat16, shift_dtype
 __all__ = [
     "ClusterEstimate",
     "TailAttention",
+    "TailOptions",
     "calibrated",
     "cpu_multiplies_bfloat16",
     "estimate_clusters",
@@ -58,59 +59,50 @@ class TailAttention(NamedTuple):
     keys_read: torch.Tensor
 
 
+class TailOptions(TypedDict, total=False):
+    """The options every tail-attention function takes, with their defaults: `budget` (0.02),
+    the fraction of all keys a query reads exactly; `tail` (True), whether every other
+    cluster's estimate is merged in; `always` (None), key ids every query reads exactly (window
+    and sinks); `query_block` (1024), queries per pass. `tail_attention_heads_with_reads`
+    holds the defaults."""
+
+    budget: float
+    tail: bool
+    always: torch.Tensor | None
+    query_block: int
+
+
 def tail_attention(
-    q: torch.Tensor,
-    clusters: KeyClusters,
-    *,
-    budget: float = 0.02,
-    tail: bool = True,
-    always: torch.Tensor | None = None,
-    query_block: int = 1024,
+    q: torch.Tensor, clusters: KeyClusters, **options: Unpack[TailOptions]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention `(out (nq, dv), lse (nq,))` of ambient queries `(nq, d)` over a clustered
     context: exact over the clusters each query visits (`select_clusters`, within `budget`, a
     fraction of all keys) and over the key ids `always` (window and sinks,
     shared by every query); with `tail`, every other cluster's estimate (`tail.estimate`) is
     merged in, and `lse` estimates the full log-partition. `tail=False` is exact-only sparse
-    attention over the same keys.
+    attention over the same keys (`TailOptions`).
 
     Gradients reach the queries (the clustered keys and statistics are constants).
     `tail_attention_heads` does the same for several heads at once; `tail_attention_with_reads`
     also answers the keys each query read.
     """
-    result = tail_attention_with_reads(
-        q, clusters, budget=budget, tail=tail, always=always, query_block=query_block
-    )
-    return result.out, result.lse
+    out, lse, _ = tail_attention_with_reads(q, clusters, **options)
+    return out, lse
 
 
 def tail_attention_with_reads(
-    q: torch.Tensor,
-    clusters: KeyClusters,
-    *,
-    budget: float = 0.02,
-    tail: bool = True,
-    always: torch.Tensor | None = None,
-    query_block: int = 1024,
+    q: torch.Tensor, clusters: KeyClusters, **options: Unpack[TailOptions]
 ) -> TailAttention:
     """`tail_attention` with the keys each query read exactly, `keys_read (nq,)`."""
     if q.dim() != 2 or q.shape[-1] != clusters.geometry.dim:
         raise ValueError(f"expected queries (nq, {clusters.geometry.dim}), got {tuple(q.shape)}")
     heads = ClusterHeads.stacked([clusters])
-    result = tail_attention_heads_with_reads(
-        q.unsqueeze(0), heads, budget=budget, tail=tail, always=always, query_block=query_block
-    )
+    result = tail_attention_heads_with_reads(q.unsqueeze(0), heads, **options)
     return TailAttention(*(t[0] for t in result))
 
 
 def tail_attention_heads(
-    q: torch.Tensor,
-    heads: ClusterHeads,
-    *,
-    budget: float = 0.02,
-    tail: bool = True,
-    always: torch.Tensor | None = None,
-    query_block: int = 1024,
+    q: torch.Tensor, heads: ClusterHeads, **options: Unpack[TailOptions]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`tail_attention` of the queries `(H, nq, d)` of H heads over those heads' clusters
     (`ClusterHeads`; head h's queries read head h's keys): `(out (H, nq, dv), lse (H, nq))`.
@@ -120,10 +112,8 @@ def tail_attention_heads(
     queries), the exact part per head; a decode step (a few queries per head) costs a fixed
     number of operations instead of that number per head. `always` (key ids) holds for every
     head."""
-    result = tail_attention_heads_with_reads(
-        q, heads, budget=budget, tail=tail, always=always, query_block=query_block
-    )
-    return result.out, result.lse
+    out, lse, _ = tail_attention_heads_with_reads(q, heads, **options)
+    return out, lse
 
 
 def tail_attention_heads_with_reads(
