@@ -3,8 +3,9 @@
 For N = 16384, 32768, ..., 1048576 keys (d = 64, one head) of `clustered` and `overlapping`
 (benchmarks/data.py), 4096 queries attend to the N keys, one process, no gradient:
 
-- `ivf`: `build_index(k, g, "ivf")` (FAISS IVF, N / 256 lists trained on the trained prefix,
-  nprobe 8), then `retrieval_attention(..., top_k=64)` (exact top 64 over the probed lists);
+- `ivf`: `build_index(k, g, "ivf")` (FAISS IVF, `default_lists(P)` lists trained on the
+  trained prefix P: P / 256 up to 131072 keys, sqrt(2 P) beyond; nprobe 8), then
+  `retrieval_attention(..., top_k=64)` (exact top 64 over the probed lists);
   top-64 recall and attention-mass recall of its candidates against exact top 64 on 256
   queries;
 - `tail`: `KeyClusters.build` (N / 512 clusters), then `tail_attention` at 2 % of the keys;
@@ -12,9 +13,11 @@ For N = 16384, 32768, ..., 1048576 keys (d = 64, one head) of `clustered` and `o
 - `sdpa`: PyTorch's scaled_dot_product_attention of the same 4096 queries over all N keys, 512
   queries at a time (its CPU path materialises the attention matrix).
 
-Each record: `{"dataset", "n", "method", "build_seconds", "attend_seconds", "total_seconds",
-"peak_rss_bytes", ...quality}`; `per_doubling` in the report is a size's total over the previous
-size's. Written to `benchmarks/results/scaling.json` with a PNG.
+Builds and attends are timed three times and their medians recorded (one run at a time is
+noisy on a shared machine); SDPA runs once. Each record: `{"dataset", "n", "method",
+"build_seconds", "attend_seconds", "total_seconds", "peak_rss_bytes", ...quality}`;
+`per_doubling` in the report is a size's total over the previous size's. Written to
+`benchmarks/results/scaling.json` with a PNG.
 
     .venv/bin/python benchmarks/scaling.py
     .venv/bin/python benchmarks/scaling.py --sizes 16384 32768 --out /tmp/scaling
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -52,6 +56,7 @@ from rewa.index import (
 RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [1 << p for p in range(14, 21)]
 QUERIES, CHECKED, TOP_K, BUDGET = 4096, 256, 64, 0.02
+REPEATS = 3  # builds and attends: the median of 3 runs, SDPA (the reference) runs once
 SDPA_BLOCK = 512
 
 
@@ -64,10 +69,16 @@ def blocked_sdpa(q, k, v, scale: float) -> torch.Tensor:
     ])  # fmt: skip
 
 
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
+def timed(fn, repeats: int = 1):
+    """`fn()`'s last result and its median time over `repeats` calls (only the last result is
+    kept alive)."""
+    seconds = []
+    for _ in range(repeats):
+        result = None  # the previous run's result is freed before the next one starts
+        start = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - start)
+    return result, statistics.median(seconds)
 
 
 def measure(dataset: str, n: int) -> list[dict]:
@@ -81,8 +92,8 @@ def measure(dataset: str, n: int) -> list[dict]:
     records = []
 
     reset_peak_rss()
-    index, build = timed(lambda: build_index(k, g, "ivf"))
-    _, attend = timed(lambda: retrieval_attention(q, k, v, g, top_k=TOP_K, index=index))
+    index, build = timed(lambda: build_index(k, g, "ivf"), REPEATS)
+    _, attend = timed(lambda: retrieval_attention(q, k, v, g, top_k=TOP_K, index=index), REPEATS)
     candidates = retrieval_candidates(checked, index, n, per_query=TOP_K).indices
     records.append(base | {
         "method": "ivf", "build_seconds": build, "attend_seconds": attend,
@@ -93,8 +104,8 @@ def measure(dataset: str, n: int) -> list[dict]:
     index = None  # freed before the next method
 
     reset_peak_rss()
-    clusters, build = timed(lambda: KeyClusters.build(g.witness(k), v, g))
-    _, attend = timed(lambda: tail_attention(q, clusters, budget=BUDGET))
+    clusters, build = timed(lambda: KeyClusters.build(g.witness(k), v, g), REPEATS)
+    _, attend = timed(lambda: tail_attention(q, clusters, budget=BUDGET), REPEATS)
     out, _ = tail_attention(checked, clusters, budget=BUDGET)
     error = summary(output_error(out, reference_out))
     records.append(base | {

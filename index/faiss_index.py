@@ -57,14 +57,28 @@ def faiss_device(prefer: str | None = None) -> str:
 
 MAX_LISTS = 1 << 20
 
+# Keys per IVF cell while the trained prefix is small; past `SQUARE_ROOT_LISTS_FROM` trained keys
+# the cells grow instead (docs/indexes.md, "How many IVF cells").
+CELL_KEYS = 256
+SQUARE_ROOT_LISTS_FROM = 131072
+
+
+def default_lists(trained_keys: int) -> int:
+    """IVF cells for an index trained on `trained_keys` keys (P): P / 256 up to 131072, then
+    sqrt(2 P), the same 512 at 131072. k-means trains on 64 keys per cell against every cell,
+    so its work is 64 * cells^2 distances: 128 P beyond 131072, linear in P instead of P^2 / 1024;
+    assigning n keys costs n * sqrt(2 P)."""
+    return max(1, min(trained_keys // CELL_KEYS, math.isqrt(2 * trained_keys)))
+
 
 @dataclass
 class IndexSettings:
     """How to index one lift.
 
     kind: `"flat"` (exact), `"ivf"` (inverted lists over k-means cells) or `"hnsw"` (graph).
-    nlist: IVF cells (default: about P / 256, at least 1, P the trained prefix of the keys,
-        `growth.trained_prefix`). nprobe: cells visited per query.
+    nlist: IVF cells (default: `default_lists(P)`, P the trained prefix of the keys,
+        `growth.trained_prefix`: P / 256 up to 131072 keys, sqrt(2 P) beyond).
+        nprobe: cells visited per query.
     train_points_per_list: k-means training sample per cell (FAISS's default is 256; 64 trains
         faster with the same recall: docs/benchmark-notes.md, "Measurements behind code
         choices").
@@ -161,7 +175,7 @@ class LiftIndex:
             index.hnsw.efSearch = s.ef_search
             return index
         if s.kind == "ivf":
-            nlist = min(s.nlist or max(1, n // 256), max(n, 1))
+            nlist = min(s.nlist or default_lists(n), max(n, 1))
             quantizer = faiss.IndexFlat(dim, self._faiss_metric())
             index = faiss.IndexIVFFlat(quantizer, dim, nlist, self._faiss_metric())
             index.nprobe = min(s.nprobe, nlist)

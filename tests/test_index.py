@@ -1,6 +1,8 @@
 """rewa.index: candidate sets, composite LSH, FAISS on exact lifts, retrieval attention and the
 quality measures (docs/mathematics.md 6)."""
 
+import math
+
 import pytest
 import torch
 
@@ -371,6 +373,20 @@ def test_more_ivf_lists_than_keys_are_capped_at_the_keys():
     keys = torch.randn(50, 8)
     index = build_index(keys, g, "ivf", nlist=1000)
     assert faiss_module.faiss.extract_index_ivf(index.parts[0].index).nlist == 50
+
+
+def test_ivf_cells_hold_256_keys_then_grow_so_that_training_is_linear():
+    """Up to 131072 trained keys a cell per 256 keys; beyond, sqrt(2 P) cells, so that k-means
+    (64 training keys per cell, each against every cell) does the same work per trained key at
+    every size: 64 * cells^2 / P stays 128."""
+    assert [faiss_module.default_lists(p) for p in (1, 255, 4096, 131072)] == [1, 1, 16, 512]
+    for p in (1 << j for j in range(18, 25)):
+        cells = faiss_module.default_lists(p)
+        assert cells == math.isqrt(2 * p) and p // 256 > cells
+        assert 64 * cells**2 / p == pytest.approx(128, rel=0.01)
+    keys = torch.randn(8192, 4)
+    index = build_index(keys, make_geometry("dot", 4), "ivf")
+    assert faiss_module.faiss.extract_index_ivf(index.parts[0].index).nlist == 32
 
 
 @pytest.mark.parametrize("kappa", [float("inf"), float("nan"), 1e7, [0.1, -1e9]])
