@@ -57,17 +57,16 @@ def faiss_device(prefer: str | None = None) -> str:
 
 MAX_LISTS = 1 << 20
 
-# Keys per IVF cell while the trained prefix is small; past `SQUARE_ROOT_LISTS_FROM` trained keys
-# the cells grow instead (docs/indexes.md, "How many IVF cells").
+# Keys per IVF cell while the trained prefix is small (up to 131072 keys); beyond, the cells grow
+# (docs/indexes.md, "How many IVF cells").
 CELL_KEYS = 256
-SQUARE_ROOT_LISTS_FROM = 131072
 
 
 def default_lists(trained_keys: int) -> int:
     """IVF cells for an index trained on `trained_keys` keys (P): P / 256 up to 131072, then
-    sqrt(2 P), the same 512 at 131072. k-means trains on 64 keys per cell against every cell,
-    so its work is 64 * cells^2 distances: 128 P beyond 131072, linear in P instead of P^2 / 1024;
-    assigning n keys costs n * sqrt(2 P)."""
+    sqrt(2 P), the same 512 at 131072. k-means trains on 64 keys per cell against every cell
+    (`IndexSettings.train_points_per_list`), so its work is 64 * cells^2 distances: 128 P beyond
+    131072, linear in P instead of P^2 / 1024; assigning n keys costs n * sqrt(2 P)."""
     return max(1, min(trained_keys // CELL_KEYS, math.isqrt(2 * trained_keys)))
 
 
