@@ -5,8 +5,8 @@ glibc's defaults those blocks are mmapped or trimmed on free, so every new tile 
 faults on fresh zeroed pages, which slows the distance geometries' dense attention
 (docs/benchmark-notes.md, "Measurements behind code choices"). `retain_freed_memory()` raises
 glibc's mmap threshold to its maximum (32 MiB) and its trim threshold to 512 MiB, once per
-process. Set `REWA_MALLOC_TUNING=0` to leave the
-allocator alone (for example when running under jemalloc or tcmalloc).
+process. Set `REWA_MALLOC_TUNING=0` to leave the allocator alone (for example when running
+under jemalloc or tcmalloc).
 """
 
 from __future__ import annotations
