@@ -28,9 +28,13 @@ from .numerics import (
     refine_near_pairs,
 )
 
-DEFAULT_CHUNKS = {"cpu": (256, 2048), "cuda": (2048, 8192)}
-"""Tile sizes `(q_chunk, k_chunk)` by device type: on CPUs tiles of a few MB, on GPUs larger
-tiles, as each tile costs a few kernel launches."""
+DEFAULT_CHUNKS = {"cpu": (None, 1024), "cuda": (2048, 8192)}
+"""Tile sizes `(q_chunk, k_chunk)` by device type: on GPUs large tiles, as each tile costs a few
+kernel launches; on CPUs tiles of `CPU_TILE_ELEMENTS` logits over the batch (`cpu_query_chunk`)."""
+CPU_TILE_ELEMENTS = 1 << 21
+"""Logits in one CPU tile, all batch elements together (8 MB in float32): smaller tiles split
+into operations too small for the threads to share well, larger ones fall out of the cache
+(docs/benchmark-notes.md, "Dense tiles on the CPU (issue 27)")."""
 LOG2E = math.log2(math.e)
 _SDPA_DTYPES = {
     "cpu": (torch.float32, torch.float64),
@@ -60,7 +64,8 @@ def dense_attention(
             (added to the logits).
         causal: query i attends key j only if `j <= i + Nk - Nq` (aligned bottom-right, so
             queries that continue a stored context see all of it; equal to SDPA when Nq = Nk).
-        q_chunk, k_chunk: tile sizes (default: `DEFAULT_CHUNKS` of the device). On CUDA, float32
+        q_chunk, k_chunk: tile sizes (default: `DEFAULT_CHUNKS` of the device; on CPUs
+            `cpu_query_chunk` of the batch). On CUDA, float32
             inputs without a user mask run in one fused kernel (attention/cuda_kernel.py)
             instead, for every geometry with a product form.
 
@@ -70,9 +75,11 @@ def dense_attention(
         key gets `out = 0`, `lse = -inf`.
     """
     default_q_chunk, default_k_chunk = DEFAULT_CHUNKS.get(q.device.type, DEFAULT_CHUNKS["cuda"])
-    q_chunk = default_q_chunk if q_chunk is None else q_chunk
     k_chunk = default_k_chunk if k_chunk is None else k_chunk
     _check_inputs(q, k, v, geometry, mask, q_chunk, k_chunk)
+    if q_chunk is None:
+        batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
+        q_chunk = default_q_chunk or cpu_query_chunk(batch, k_chunk)
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape(1, -1)
     if _sdpa_applies(q, k, v, geometry, mask, causal):
@@ -89,13 +96,20 @@ def dense_attention(
     return geometry.output_map(out).to(q.dtype), lse
 
 
+def cpu_query_chunk(batch: int, k_chunk: int) -> int:
+    """Queries per CPU tile: the power of two in [64, 2048] nearest below `CPU_TILE_ELEMENTS`
+    logits for `batch` batch elements and tiles of `k_chunk` keys."""
+    rows = max(1, CPU_TILE_ELEMENTS // max(1, batch * k_chunk))
+    return min(2048, max(64, 1 << (rows.bit_length() - 1)))
+
+
 def _check_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     geometry: Geometry,
     mask: torch.Tensor | None,
-    q_chunk: int,
+    q_chunk: int | None,
     k_chunk: int,
 ) -> None:
     check_attention_inputs(q, k, v, geometry)
@@ -107,7 +121,7 @@ def _check_inputs(
         raise ValueError(f"q, k, v and mask batch shapes do not broadcast: {error}") from None
     if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
         raise TypeError(f"expected a boolean or floating-point mask, got {mask.dtype}")
-    if q_chunk < 1 or k_chunk < 1:
+    if (q_chunk is not None and q_chunk < 1) or k_chunk < 1:
         raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
 
 

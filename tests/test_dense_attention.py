@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from rewa.attention import DotProduct, dense_attention, merge_attention
+from rewa.attention.dense import cpu_query_chunk
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
 
@@ -168,6 +169,21 @@ def test_memory_stays_bounded_by_the_tile():
         dense_attention(q, k, v, g, q_chunk=256, k_chunk=1024)
     growth = peak_rss_bytes() - baseline
     assert growth < 128 * 2**20, f"peak RSS grew by {growth / 2**20:.0f} MiB"
+
+
+def test_cpu_tiles_hold_a_fixed_number_of_logits_over_the_batch():
+    assert [cpu_query_chunk(batch, 1024) for batch in (1, 2, 8, 12, 64, 4096)] == [
+        2048, 1024, 256, 128, 64, 64,
+    ]  # fmt: skip
+    assert cpu_query_chunk(3, 2048) == 256  # 2^21 / 6144 = 341, the power of two below
+    # The default tiles (here 2048 x 1024 for one head, 3 query and 5 key tiles) and the
+    # given ones compute the same attention.
+    g = build_geometry("poincare", 8).double()
+    q, k, v = (torch.randn(5000, 8, dtype=torch.float64) * 0.2 for _ in range(3))
+    with torch.no_grad():
+        tiled = dense_attention(q, k, v, g)
+        expected = dense_attention(q, k, v, g, q_chunk=5000, k_chunk=5000)
+    torch.testing.assert_close(tiled, expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
