@@ -76,14 +76,13 @@ def dense_attention(
     """
     default_q_chunk, default_k_chunk = DEFAULT_CHUNKS.get(q.device.type, DEFAULT_CHUNKS["cuda"])
     k_chunk = default_k_chunk if k_chunk is None else k_chunk
-    _check_inputs(q, k, v, geometry, mask, q_chunk, k_chunk)
-    if q_chunk is None:
-        batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2]))
-        q_chunk = default_q_chunk or cpu_query_chunk(batch, k_chunk)
+    batch = _checked_batch(q, k, v, geometry, mask, q_chunk, k_chunk)
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape(1, -1)
     if _sdpa_applies(q, k, v, geometry, mask, causal):
         return _fused_dot_product(q, k, v, geometry.scale, causal)
+    if q_chunk is None:
+        q_chunk = default_q_chunk or cpu_query_chunk(math.prod(batch), k_chunk)
     if q.device.type == "cpu":
         retain_freed_memory()
     dtype = compute_dtype(q.dtype)
@@ -103,7 +102,7 @@ def cpu_query_chunk(batch: int, k_chunk: int) -> int:
     return min(2048, max(64, 1 << (rows.bit_length() - 1)))
 
 
-def _check_inputs(
+def _checked_batch(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -111,7 +110,8 @@ def _check_inputs(
     mask: torch.Tensor | None,
     q_chunk: int | None,
     k_chunk: int,
-) -> None:
+) -> torch.Size:
+    """The inputs' broadcast batch shape, once they are checked (a clear error for each fault)."""
     check_attention_inputs(q, k, v, geometry)
     try:
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
@@ -123,6 +123,7 @@ def _check_inputs(
         raise TypeError(f"expected a boolean or floating-point mask, got {mask.dtype}")
     if (q_chunk is not None and q_chunk < 1) or k_chunk < 1:
         raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
+    return batch
 
 
 def _sdpa_applies(

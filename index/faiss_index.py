@@ -76,8 +76,7 @@ class IndexSettings:
 
     kind: `"flat"` (exact), `"ivf"` (inverted lists over k-means cells) or `"hnsw"` (graph).
     nlist: IVF cells (default: `default_lists(P)`, P the trained prefix of the keys,
-        `growth.trained_prefix`).
-        nprobe: cells visited per query.
+        `growth.trained_prefix`). nprobe: cells visited per query.
     train_points_per_list: k-means training sample per cell (FAISS's default is 256; 64 trains
         faster with the same recall: docs/benchmark-notes.md, "Measurements behind code
         choices").
