@@ -299,15 +299,15 @@ def scaling_section(records: list[dict]) -> str:
         "",
         "`.venv/bin/python benchmarks/scaling.py` (`scaling.json`, `scaling.png`): 4096 queries "
         "attend to N keys",
-        "(d = 64, one head) with the defaults: IVF top 64 (build + attend, top-64 and mass "
-        "recall on 256 queries),",
+        "(d = 64, one head) with the defaults: IVF, every key of the probed lists (build + "
+        "attend; top-64 and mass recall of the probed keys, error, on 256 queries),",
         "tail at 2 % (build + attend, error on 256 queries), and SDPA over all keys. `per "
         "doubling`: the",
         "total over the previous size's (target <= 2.2).",
         "",
-        "| data | N | IVF build / attend | per doubling | recall / mass | tail build / attend "
-        "| per doubling | tail median / p99 | SDPA | peak RSS |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| data | N | IVF build / attend | per doubling | recall / mass | IVF median / p99 "
+        "| tail build / attend | per doubling | tail median / p99 | SDPA | peak RSS |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     by = {(r["dataset"], r["n"], r["method"]): r for r in records}
     for dataset, n in sorted({(r["dataset"], r["n"]) for r in records}):
@@ -323,9 +323,45 @@ def scaling_section(records: list[dict]) -> str:
         lines.append(
             f"| {dataset} | {n} | {ivf['build_seconds']:.2f} / {ivf['attend_seconds']:.2f} s | "
             f"{ratio['ivf']} | {ivf['topk_recall']:.3f} / {ivf['mass_recall']:.3f} | "
+            f"{_error_pair(ivf)} | "
             f"{tail['build_seconds']:.2f} / {tail['attend_seconds']:.2f} s | {ratio['tail']} | "
             f"{tail['err_median']:.3f} / {tail['err_p99']:.3f} | "
             f"{sdpa['attend_seconds']:.2f} s | {peak / 2**30:.1f} GiB |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _error_pair(record: dict) -> str:
+    """`median / p99` of a record's output error, `-` for records written before it was kept."""
+    if "err_median" not in record:
+        return "-"
+    return f"{record['err_median']:.3f} / {record['err_p99']:.3f}"
+
+
+def sparse_section(records: list[dict]) -> str:
+    lines = [
+        "## Sparse self-attention against dense and other sparse methods",
+        "",
+        "`.venv/bin/python benchmarks/sparse.py --part baselines` (`sparse.json`, `sparse.png`): "
+        "N queries attend to",
+        "the same N keys (d = 64, one head, index build included), one process; recall and error "
+        "on 2048 queries",
+        "([indexes.md](indexes.md#every-probed-key-or-the-best-k)). `rewa-ivf` is "
+        "`retrieval_attention` at its defaults.",
+        "",
+        "| data | N | method | time | x SDPA | top-64 recall | mass recall | median / p99 error |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    sdpa = {(r["dataset"], r["n"]): r["seconds"] for r in records if r["method"] == "sdpa"}
+    for r in records:
+        if r["method"] == "sdpa":
+            continue
+        recall = "-" if r["topk_recall"] is None else f"{r['topk_recall']:.3f}"
+        mass = "-" if r["mass_recall"] is None else f"{r['mass_recall']:.3f}"
+        speedup = sdpa[(r["dataset"], r["n"])] / r["seconds"]
+        lines.append(
+            f"| {r['dataset']} | {r['n']} | {r['method']} | {r['seconds']:.2f} s | "
+            f"{speedup:.1f}x | {recall} | {mass} | {r['err_median']:.3f} / {r['err_p99']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -484,6 +520,7 @@ def render() -> str:
         ("service", service_section),
         ("tail", tail_section),
         ("scaling", scaling_section),
+        ("sparse", sparse_section),
         ("appends", appends_section),
         ("causal_tail", causal_tail_section),
         ("llm_decode", llm_decode_section),

@@ -114,7 +114,7 @@ def retrieval_attention(
     v: torch.Tensor,
     geometry: Geometry,
     *,
-    top_k: int | None = 64,
+    top_k: int | None = None,
     index: KeyIndex | KeyClusters | Literal["ivf", "flat", "hnsw", "lsh", "clusters"] = "ivf",
     per_query: int | None = None,
     window: int = 0,
@@ -131,14 +131,16 @@ def retrieval_attention(
     position i), usually with `causal=True` and a window. External memory: queries separate from
     the stored keys (positions default to after the keys). `index` is a method name (an index is
     built) or an index already built over these keys with `build_index` (reused).
-    `per_query` is how many neighbours a FAISS index returns per query (default `top_k`).
     Candidate sets are built for blocks of `query_block` queries at a time, which bounds their
     memory.
 
-    With an IVF index over a single-lift geometry (and no window or sinks) each IVF list is
-    scored against all the queries probing it in one dense block (`ivf_blocks`); `top_k=None`
-    then attends to every key of the probed lists instead of the best K of them. With other
-    indexes `top_k=None` attends to every candidate.
+    `top_k=None` (the default) attends to every candidate: with an IVF index, every key of the
+    lists a query probes; `top_k=K`, to the best K of them. With an IVF index over a
+    single-lift geometry (and no window or sinks) each IVF list is scored against all the
+    queries probing it in one dense block (`ivf_blocks`). Every probed key is the default
+    because it is both more accurate and cheaper than the best K of the same keys: selecting
+    K costs more than attending to them all (docs/indexes.md, "Every probed key or the best
+    K"). `per_query` (a FAISS index's neighbours per query) defaults to `top_k`, else 64.
 
     With `index="clusters"` (or a `KeyClusters` built over these keys and values) each query
     reads the keys of its most massive clusters up to `budget` (a fraction of all keys) plus the

@@ -63,8 +63,8 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
         (m, d)
         for m in (
             "rewa-ivf",
-            "rewa-ivf-cells",
-            "rewa-ivf-cells-nprobe4",
+            "rewa-ivf-nprobe4",
+            "rewa-ivf-top64",
             "rewa-lsh",
             "sdpa",
             "faiss-knn",
@@ -72,7 +72,7 @@ def test_sparse_benchmark_writes_records_and_a_plot(tmp_path):
             "reformer-lsh-4",
             "reformer-lsh-8",
         )
-        for d in ("clustered", "tree")
+        for d in ("clustered", "overlapping", "tree")
     }
     sdpa = [r for r in records if r["method"] == "sdpa"]
     assert all(r["err_median"] == 0 and r["mass_recall"] == 1 for r in sdpa)

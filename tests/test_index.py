@@ -268,7 +268,8 @@ def test_retrieval_rejects_a_mismatched_index():
 
 @pytest.mark.parametrize("name", ["dot", "poincare", "sphere", "kappa"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ivf_blocks_over_every_list_are_exact(name, causal):
+@pytest.mark.parametrize("top_k", [12, 100])
+def test_ivf_blocks_over_every_list_are_exact(name, causal, top_k):
     """Probing every IVF list, block attention equals dense attention and block top-K equals the
     exact top K, with exact logits (float64 witnesses; FAISS only routes)."""
     g = build_geometry(name, 8)
@@ -281,11 +282,12 @@ def test_ivf_blocks_over_every_list_are_exact(name, causal):
     torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
 
-    out, lse = retrieval_attention(x, x, v, g, top_k=12, index=index, causal=causal)
+    # 100 is more than a list holds (5 lists of 300 keys): the lists' short rows are padded.
+    out, lse = retrieval_attention(x, x, v, g, top_k=top_k, index=index, causal=causal)
     logits = g.logits(x, x)
     if causal:
         logits = logits.masked_fill(~allowed, float("-inf"))
-    best = logits.topk(12, dim=-1).indices
+    best = logits.topk(top_k, dim=-1).indices
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, best, True)
     expected_out, expected_lse = dense_attention(x, x, v, g, mask=keep & (logits > -1e300))
     # Blocks and the dense reference round differently, which can swap a near-tie at rank 12.
@@ -309,6 +311,41 @@ def test_ivf_block_attention_reads_only_probed_lists():
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-4, atol=1e-4)
     assert (rows >= 0).sum(-1).float().mean() < 4096 / 4  # 2 of 16 lists, unequal in size
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ivf_block_attention_is_the_same_with_and_without_autograd(name, causal):
+    """Without autograd the probed lists fold into a running softmax per query; with it, each
+    list's partial result is kept and merged. Both attend to the same keys."""
+    g = build_geometry(name, 8)
+    x = torch.randn(400, 8, dtype=torch.float64) * 0.5
+    v = torch.randn(400, 3, dtype=torch.float64)
+    index = build_index(x, g, "ivf", nlist=8, nprobe=3)
+    with torch.no_grad():
+        running = retrieval_attention(x, x, v, g, index=index, causal=causal)
+    kept = retrieval_attention(x, x, v.requires_grad_(), g, index=index, causal=causal)
+    assert kept[0].requires_grad and not running[0].requires_grad
+    torch.testing.assert_close(running[0], kept[0].detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(running[1], kept[1].detach(), rtol=1e-12, atol=1e-12)
+
+
+def test_retrieval_attends_to_every_probed_key_by_default():
+    """The default reads every key of the probed lists: more of the mass than their best K, so
+    a smaller error, from the same index."""
+    data = clustered(4096)
+    g = data.geometry()
+    index = build_index(data.k, g, "ivf", nprobe=2)
+    queries = data.q[:256]
+    with torch.no_grad():
+        default = retrieval_attention(queries, data.k, data.v, g, index=index)
+        every = retrieval_attention(queries, data.k, data.v, g, top_k=None, index=index)
+        best = retrieval_attention(queries, data.k, data.v, g, top_k=16, index=index)
+        dense_out, dense_lse = dense_attention(queries, data.k, data.v, g)
+    torch.testing.assert_close(default[0], every[0], rtol=0, atol=0)
+    # Fewer keys can only lower the log-partition: every probed key's lse lies closer to dense.
+    assert (default[1] >= best[1] - 1e-5).all() and (default[1] <= dense_lse + 1e-4).all()
+    assert output_error(default[0], dense_out).median() < output_error(best[0], dense_out).median()
 
 
 @pytest.mark.parametrize("top_k", [None, 10])

@@ -141,7 +141,9 @@ def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_token
                 queries[head], keys[head], values[head], geometry, index=index, tail=True
             )
         else:
-            expected = retrieval_attention(queries[head], keys[head], values[head], geometry)
+            expected = retrieval_attention(
+                queries[head], keys[head], values[head], geometry, top_k=64
+            )
         torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
 
@@ -158,7 +160,7 @@ def test_the_open_segment_is_read_exactly_and_indexed_when_it_fills(mode):
     memory.append(keys[:, 2800:2999], values[:, 2800:2999])
     out, lse = memory.attend(queries)  # 999 in the open segment: read exactly
     assert memory._indexes is indexes  # neither rebuilt nor extended
-    options = {"tail": True} if mode == "tail" else {}
+    options = {"tail": True} if mode == "tail" else {"top_k": 64}
     for head in range(2):
         k, v = keys[head, :2000], values[head, :2000]
         index = KeyClusters.build(geometry.witness(k), v, geometry) if mode == "tail" else "ivf"

@@ -4,14 +4,13 @@ place, merged per query (docs/mathematics.md 7)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
-from rewa.attention import DotProduct, Geometry
+from rewa.attention import DotProduct
 from rewa.attention.sparse import softmax_attend
 
+from ..block_scoring import block_scorer
 from ..clusters import ClusterHeads, KeyClusters
 
 KEY_BLOCK = 128  # keys per block of the exact part
@@ -176,7 +175,8 @@ def _shared_reference_attention(
     geometry, n_rows = heads[0].geometry, qw.shape[0]
     rows, runs = _runs_by_cluster(heads, n_rows // len(heads), pair_query, pair_cluster)
     has_always = _clusters_with_always(heads, is_always)
-    queries, score = _cluster_scorer(geometry, qw, rows)
+    queries, score = block_scorer(geometry, qw)
+    queries = queries.index_select(0, rows)
     bias = reference.neg()[rows].unsqueeze(-1)
     value_dim = heads[0].values.shape[-1]
     weighted_values = heads[0].values.new_empty(len(rows), value_dim)
@@ -260,7 +260,8 @@ def _per_cluster_partials(
     against its keys (a slice of the sorted keys, no copy), softmax, values. Differentiable."""
     rows, runs = _runs_by_cluster([clusters], qw.shape[0], pair_query, pair_cluster)
     has_always = _clusters_with_always([clusters], [is_always])
-    queries, score = _cluster_scorer(clusters.geometry, qw, rows)
+    queries, score = block_scorer(clusters.geometry, qw)
+    queries = queries.index_select(0, rows)
     outs, lses = [], []
     for _, cluster, part, keys in runs:
         logits = score(queries[part], clusters.keys_w[keys])
@@ -294,29 +295,6 @@ def _runs_by_cluster(
         runs.append((head, cluster, slice(first, first + count), keys))
         first += count
     return rows, runs
-
-
-def _cluster_scorer(
-    geometry: Geometry, qw: torch.Tensor, rows: torch.Tensor
-) -> tuple[torch.Tensor, Callable[..., torch.Tensor]]:
-    """`(queries, score)`: the queries `qw[rows]`, gathered once, in the form `score(queries,
-    keys_w, bias=None)` takes: the logits of those queries against a slice of keys, plus `bias`
-    `(len(queries), 1)` if given. For the dot product the scale is folded into the queries and
-    the bias into the product (one pass over each cluster's logits fewer each)."""
-    if isinstance(geometry, DotProduct):
-
-        def dot_product_score(queries, keys, bias=None):
-            if bias is None:
-                return queries @ keys.T
-            return torch.addmm(bias, queries, keys.T)
-
-        return (qw * geometry.scale).index_select(0, rows), dot_product_score
-
-    def geometry_score(queries, keys, bias=None):
-        logits = geometry.score(queries, keys)
-        return logits if bias is None else logits.add_(bias)
-
-    return qw.index_select(0, rows), geometry_score
 
 
 def _finite_softmax_attend(
