@@ -323,19 +323,12 @@ def scaling_section(records: list[dict]) -> str:
         lines.append(
             f"| {dataset} | {n} | {ivf['build_seconds']:.2f} / {ivf['attend_seconds']:.2f} s | "
             f"{ratio['ivf']} | {ivf['topk_recall']:.3f} / {ivf['mass_recall']:.3f} | "
-            f"{_error_pair(ivf)} | "
+            f"{ivf['err_median']:.3f} / {ivf['err_p99']:.3f} | "
             f"{tail['build_seconds']:.2f} / {tail['attend_seconds']:.2f} s | {ratio['tail']} | "
             f"{tail['err_median']:.3f} / {tail['err_p99']:.3f} | "
             f"{sdpa['attend_seconds']:.2f} s | {peak / 2**30:.1f} GiB |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _error_pair(record: dict) -> str:
-    """`median / p99` of a record's output error, `-` for records written before it was kept."""
-    if "err_median" not in record:
-        return "-"
-    return f"{record['err_median']:.3f} / {record['err_p99']:.3f}"
 
 
 def sparse_section(records: list[dict]) -> str:

@@ -64,7 +64,7 @@ def ivf_block_attention(
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
     n_queries, nprobe = probes.shape
     keys_w = index.keys if keys_w is None else keys_w
-    if not _needs_grad(queries_w, keys_w, values):
+    if not _needs_grad(queries_w, keys_w, values, *geometry.parameters()):
         return _running_attention(
             geometry, queries_w, keys_w, values, lists, pair_order // nprobe, bounds, positions
         )
@@ -96,7 +96,8 @@ def ivf_block_attention(
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd would record an operation on these tensors."""
+    """Whether autograd would record an operation on these tensors (the inputs and the
+    geometry's parameters, such as a trainable temperature, which enter every logit)."""
     return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
@@ -176,17 +177,17 @@ def ivf_block_topk(
         if start == stop:
             continue
         kept = min(top_k, keys.numel())
-        best[start:stop, kept:] = float("-inf")
-        ids[start:stop, kept:] = -1
-        if kept == 0:
-            continue
+        if kept < top_k:  # a list shorter than K: its rows are padded
+            best[start:stop, kept:], ids[start:stop, kept:] = float("-inf"), -1
+            if kept == 0:
+                continue
         queries = pair_query[start:stop]
         logits = score(queries_w.index_select(0, queries), keys_w.index_select(0, keys))
         if positions is not None:
             logits = logits.masked_fill_(keys > positions[queries].unsqueeze(-1), float("-inf"))
         values, where = logits.topk(kept, dim=-1, sorted=False)
         best[start:stop, :kept] = values
-        ids[start:stop, :kept] = keys.to(id_type)[where]
+        ids[start:stop, :kept] = keys[where]
     by_query = torch.empty_like(pair_order).index_copy_(
         0, pair_order, torch.arange(len(pair_order), device=pair_order.device)
     )

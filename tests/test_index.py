@@ -367,6 +367,27 @@ def test_retrieval_gradients_match_dense_when_every_list_is_probed(top_k):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("top_k", [None, 10])
+def test_a_trainable_geometry_gets_dense_gradients_through_ivf_lists(top_k):
+    """Queries, keys and values without gradients, the geometry's temperature with one: the
+    lists' logits depend on it, so attention over them must keep the autograd graph."""
+    g = build_geometry("poincare", 6)
+    x = torch.randn(120, 6, dtype=torch.float64) * 0.5
+    v = torch.randn(120, 2, dtype=torch.float64)
+    index = build_index(x, g, "ivf", nlist=4, nprobe=4)
+    out, lse = retrieval_attention(x[:40], x, v, g, top_k=top_k, index=index)
+    grads = torch.autograd.grad(out.square().sum() + lse.sum(), list(g.parameters()))
+    mask = None
+    if top_k is not None:
+        best = g.logits(x[:40], x).topk(top_k, dim=-1).indices
+        mask = torch.zeros(40, 120, dtype=torch.bool).scatter_(-1, best, True)
+    ref_out, ref_lse = dense_attention(x[:40], x, v, g, mask=mask)
+    expected = torch.autograd.grad(ref_out.square().sum() + ref_lse.sum(), list(g.parameters()))
+    assert grads and all(want.abs().sum() > 0 for want in expected)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["ivf", "hnsw", "flat"])
 def test_inner_product_search_returns_inner_products(kind):
     """IVF and HNSW index inner-product lifts with widely spread norms in L2 on augmented vectors;
