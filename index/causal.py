@@ -71,8 +71,7 @@ def causal_tail_attention(
         rows = (segment_of == index).nonzero().squeeze(-1)
         start, at = index * segment, positions[rows]
         stop = int(at.max()) + 1
-        visible = torch.arange(start, stop, device=k.device) <= at.unsqueeze(-1)
-        part = dense_attention(q[rows], k[start:stop], v[start:stop], geometry, mask=visible)
+        part = _own_segment(q[rows], k[start:stop], v[start:stop], geometry, at - start)
         if start > 0:
             with torch.no_grad():
                 if earlier is None:
@@ -94,3 +93,18 @@ def causal_tail_attention(
         rows_done.append(rows)
     where = torch.cat(rows_done).argsort()
     return torch.cat(outs)[where], torch.cat(lses)[where]
+
+
+def _own_segment(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, geometry: Geometry, at: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of queries `(m, d)` at positions `at` `(m,)` (counted from the
+    segment's first key) over the segment's keys up to theirs. When the queries are the
+    segment's last m positions in order, as in self-attention and prefill, this is
+    bottom-right-aligned causal attention (PyTorch's fused kernel for the dot product,
+    docs/indexes.md, "Causal tail"); otherwise a masked dense block."""
+    n_keys = k.shape[0]
+    if torch.equal(at, torch.arange(n_keys - at.shape[0], n_keys, device=at.device)):
+        return dense_attention(q, k, v, geometry, causal=True)
+    visible = torch.arange(n_keys, device=k.device) <= at.unsqueeze(-1)
+    return dense_attention(q, k, v, geometry, mask=visible)

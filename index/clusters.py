@@ -250,13 +250,13 @@ class KeyClusters:
             outlier_distance = distance[:prefix].topk(n_outliers).values[-1]
             labels = labels.masked_fill(distance >= outlier_distance, n_clusters)
             n_groups += 1
-        trees = _PieceTrees.grown(
+        trees, trained_piece = _PieceTrees.grown(
             features[:prefix], labels[:prefix], n_groups, max_cluster_keys, n_groups > n_clusters
         )
+        piece = torch.cat([trained_piece, trees.pieces_of(features[prefix:], labels[prefix:])])
         trees, piece, _ = _cut_overfull(
-            trees, trees.pieces_of(features, labels), features.__getitem__, max_cluster_keys,
-            n_clusters,
-        )  # fmt: skip
+            trees, piece, features.__getitem__, max_cluster_keys, n_clusters
+        )
         order = piece.argsort(stable=True)  # by piece, ids ascending within each
         counts = torch.bincount(piece, minlength=trees.n_pieces)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
@@ -702,16 +702,19 @@ class _PieceTrees:
         n_groups: int,
         max_keys: int,
         last_whole: bool,
-    ) -> _PieceTrees:
-        """The cuts of the trained keys' `features` `(n_t, D)` in their groups `labels`: a set of
-        more than `max_keys` keys (0: none is cut) is cut across its principal axis into parts
-        sized for ceil(m / max_keys) pieces, and each part cut again. The last group stays whole
-        when `last_whole` (the outliers)."""
+    ) -> tuple[_PieceTrees, torch.Tensor]:
+        """The cuts of the trained keys' `features` `(n_t, D)` in their groups `labels`, and
+        each trained key's piece `(n_t,)` in them (what `pieces_of` finds for these keys, without
+        walking them down the cuts again): a set of more than `max_keys` keys (0: none is cut)
+        is cut across its principal axis into parts sized for ceil(m / max_keys) pieces, and
+        each part cut again. The last group stays whole when `last_whole` (the outliers)."""
         axes, thresholds, children, pieces_group = [], [], [], []
+        piece = torch.empty_like(labels)
 
         def grow(rows: torch.Tensor, label: int) -> int:
             split = None if max_keys == 0 else _split(features[rows].double(), max_keys)
             if split is None:
+                piece[rows] = len(pieces_group)
                 pieces_group.append(label)
                 return -len(pieces_group)  # piece len - 1
             axis, threshold, second = split
@@ -729,14 +732,17 @@ class _PieceTrees:
         for label, rows in enumerate(grouped.split(sizes)):
             whole = last_whole and label == n_groups - 1
             roots.append(grow(rows[:0] if whole else rows, label))
+            if whole:
+                piece[rows] = -1 - roots[-1]
         dim = features.shape[-1]
-        return cls(
+        trees = cls(
             axis=torch.stack(axes) if axes else torch.zeros(0, dim, dtype=torch.float64),
             threshold=torch.tensor(thresholds, dtype=torch.float64),
             children=torch.tensor(children, dtype=torch.long).reshape(-1, 2),
             root=torch.tensor(roots, dtype=torch.long),
             group=torch.tensor(pieces_group, dtype=torch.long),
-        ).to(features.device)
+        )
+        return trees.to(features.device), piece
 
     def to(self, device: torch.device) -> _PieceTrees:
         return _PieceTrees(

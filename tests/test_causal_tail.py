@@ -41,6 +41,21 @@ def test_a_full_budget_is_exact_causal_attention(geometry):
     torch.testing.assert_close((out, lse), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("geometry", ["dot", "poincare"])
+def test_every_row_in_order_reads_its_segment_causally_as_rows_out_of_order_do(geometry):
+    # Rows that are their segments' positions in order take the causal block; the same rows
+    # given in reverse take the masked one. Both must give the same answers.
+    g = make_geometry(geometry, 16)
+    q, k, v = _diffuse(2500)
+    q, k = q * 0.1, k * 0.1
+    positions = torch.arange(2500)
+    backwards = positions.flip(0)
+    with torch.no_grad():
+        out, lse = causal_tail_attention(q, k, v, g, positions, segment=700)
+        out_b, lse_b = causal_tail_attention(q[backwards], k, v, g, backwards, segment=700)
+    torch.testing.assert_close((out, lse), (out_b.flip(0), lse_b.flip(0)), rtol=1e-5, atol=1e-5)
+
+
 def test_no_query_sees_a_later_key():
     """Changing every key after a query's position leaves its answer unchanged (queries at
     scattered positions, given out of order)."""

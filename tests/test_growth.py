@@ -12,6 +12,7 @@ import torch
 
 from rewa.attention import make_geometry
 from rewa.index import KeyClusters, build_index
+from rewa.index.clusters import key_features
 from rewa.index.growth import retrains, trained_prefix
 from rewa.index.tail import tail_attention
 
@@ -62,6 +63,21 @@ def test_extended_clusters_equal_clusters_built_at_once(geometry):
     out, lse = tail_attention(q, grown, budget=0.05, tail=True)
     expected = tail_attention(q, KeyClusters.build(kw, v, g), budget=0.05, tail=True)
     torch.testing.assert_close((out, lse), expected)
+
+
+@pytest.mark.parametrize("geometry", ["dot", "poincare"])
+@pytest.mark.parametrize("n", [8192, 12000])
+def test_every_key_lies_in_the_piece_its_group_cuts_send_it_to(geometry, n):
+    # The build lays out the trained keys in the pieces their cuts were drawn from, and walks
+    # only the untrained ones down the cuts; an appended key is walked down them. Both must agree.
+    g = make_geometry(geometry, 16).double()
+    k, v = _keys(n)
+    clusters = KeyClusters.build(g.witness(k.double() * 0.1), v.double(), g)
+    assert clusters.n_clusters > clusters.centroids.shape[0] + 1  # groups were cut
+    laid_out = torch.repeat_interleave(torch.arange(clusters.n_clusters), clusters.offsets.diff())
+    lifts = g.lift(clusters.keys_w, "key")
+    walked = clusters._trees().pieces_of(key_features(lifts), clusters._assign(lifts))
+    assert torch.equal(walked, laid_out)
 
 
 def test_a_retraining_extension_keeps_the_options_of_the_build():
