@@ -20,7 +20,7 @@ from rewa.index import (
     tail_attention,
     tail_attention_with_reads,
 )
-from rewa.index.tail import select_clusters, shift_dtype
+from rewa.index.tail import default_query_block, select_clusters, shift_dtype
 from rewa.index.tail import unread as unread_module
 from rewa.index.tail.exact import (
     _blocked_partials,
@@ -434,6 +434,23 @@ def test_bad_inputs_are_rejected():
     for outliers in (-0.1, 1.0):
         with pytest.raises(ValueError, match="outliers"):
             KeyClusters.build(k, v, g, outliers=outliers)
+    with pytest.raises(ValueError, match="query_block"):
+        tail_attention(q, clusters, query_block=0)
+
+
+def test_the_default_pass_holds_more_queries_where_there_are_fewer_clusters():
+    assert default_query_block(1, 1000) == 4096  # capped
+    assert default_query_block(1, 5190) == (1 << 23) // 5190  # 1616: the table's elements
+    assert default_query_block(8, 5000) == 1024  # floored
+    # Queries answer the same whatever pass they fall in.
+    g = build_geometry("dot", 8)
+    q, k, v = _inputs(n_keys=2000, n_queries=300)
+    clusters = _clusters(k, v, g)
+    whole = tail_attention(q, clusters, budget=0.05)
+    for block in (1, 7, 300):
+        torch.testing.assert_close(
+            tail_attention(q, clusters, budget=0.05, query_block=block), whole, rtol=1e-9, atol=1e-9
+        )
 
 
 def _planted_outliers(n_keys=2000, n_far=20, dim=8, seed=5):

@@ -39,6 +39,7 @@ __all__ = [
     "TailOptions",
     "calibrated",
     "cpu_multiplies_bfloat16",
+    "default_query_block",
     "estimate_clusters",
     "select_clusters",
     "shift_dtype",
@@ -63,13 +64,29 @@ class TailOptions(TypedDict, total=False):
     """The options every tail-attention function takes, with their defaults: `budget` (0.02),
     the fraction of all keys a query reads exactly; `tail` (True), whether every other
     cluster's estimate is merged in; `always` (None), key ids every query reads exactly (window
-    and sinks); `query_block` (1024), queries per pass. `tail_attention_heads_with_reads`
-    holds the defaults."""
+    and sinks); `query_block` (None: `default_query_block`), queries per pass.
+    `tail_attention_heads_with_reads` holds the defaults."""
 
     budget: float
     tail: bool
     always: torch.Tensor | None
-    query_block: int
+    query_block: int | None
+
+
+# A pass over a block of queries keeps several (heads x queries, clusters) tables; the default
+# block holds up to this many of their elements, within [MIN_QUERY_BLOCK, MAX_QUERY_BLOCK]
+# queries (docs/indexes.md, "Queries per pass").
+QUERY_BLOCK_ELEMENTS = 1 << 23
+MIN_QUERY_BLOCK, MAX_QUERY_BLOCK = 1024, 4096
+
+
+def default_query_block(n_heads: int, n_clusters: int) -> int:
+    """Queries per pass of tail attention over `n_heads` heads of at most `n_clusters`
+    clusters: as many as keep a `(heads x queries, clusters)` table within
+    `QUERY_BLOCK_ELEMENTS`, at least 1024 and at most 4096. Larger passes share each visited
+    cluster's products among more queries."""
+    fitting = QUERY_BLOCK_ELEMENTS // max(1, n_heads * n_clusters)
+    return min(MAX_QUERY_BLOCK, max(MIN_QUERY_BLOCK, fitting))
 
 
 def tail_attention(
@@ -123,7 +140,7 @@ def tail_attention_heads_with_reads(
     budget: float = 0.02,
     tail: bool = True,
     always: torch.Tensor | None = None,
-    query_block: int = 1024,
+    query_block: int | None = None,
 ) -> TailAttention:
     """`tail_attention_heads` with the keys each query of each head read exactly,
     `keys_read (H, nq)`."""
@@ -134,6 +151,10 @@ def tail_attention_heads_with_reads(
         )
     if not 0 <= budget <= 1:
         raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
+    if query_block is None:
+        query_block = default_query_block(heads.n_heads, heads.n_clusters)
+    elif query_block < 1:
+        raise ValueError(f"expected a query_block of at least 1 query, got {query_block}")
     if q.device.type == "cpu":
         # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
         retain_freed_memory()
