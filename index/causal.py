@@ -19,7 +19,9 @@ from rewa.attention import Geometry, dense_attention, merge_attention
 from .clusters import KeyClusters
 from .tail import tail_attention
 
-DEFAULT_SEGMENT = 4096
+# Positions per segment (docs/indexes.md, "Causal tail"): a query reads up to a segment of keys
+# exactly, and the clusters are extended once per segment.
+DEFAULT_SEGMENT = 16384
 # Keys read exactly from before the segment, at least: two clusters at their largest (512 keys
 # by default, up to twice that before the trained prefix doubles, `growth`). A budget fraction of
 # a short prefix holds less than one cluster, and then every cluster is only estimated (on the

@@ -122,8 +122,12 @@ def test_sinks_and_window_before_the_segment_are_read_exactly(reach):
     positions = torch.arange(4096, 8192, 37)
     with torch.no_grad():
         reference = dense_attention(q, k, v, g, causal=True)
-        out, lse = causal_tail_attention(q[positions], k, v, g, positions, budget=0.0, **reach)
-        estimated, _ = causal_tail_attention(q[positions], k, v, g, positions, budget=0.0)
+        out, lse = causal_tail_attention(
+            q[positions], k, v, g, positions, budget=0.0, segment=4096, **reach
+        )
+        estimated, _ = causal_tail_attention(
+            q[positions], k, v, g, positions, budget=0.0, segment=4096
+        )
     torch.testing.assert_close(out, reference[0][positions], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse, reference[1][positions], rtol=1e-4, atol=1e-4)
     assert not torch.allclose(estimated, reference[0][positions], rtol=1e-4, atol=1e-5)
