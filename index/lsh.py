@@ -92,6 +92,9 @@ class BoundaryProjectionHash:
         return torch.cat([self.direction.codes(x / norm.clamp_min(1e-12)), band], dim=-1)
 
 
+BUCKET_ROWS = 2048  # rows hashed at a time by `CompositeLSH._buckets`
+
+
 class CompositeLSH:
     """Composite LSH over a geometry's witnesses, L tables, FAISS-shaped (`add`, `search`).
 
@@ -142,10 +145,18 @@ class CompositeLSH:
         return 0 if self.keys is None else self.keys.shape[0]
 
     def _buckets(self, w: torch.Tensor, role: str) -> torch.Tensor:
-        """One int64 bucket id per table: `(n, L)`."""
-        codes = torch.cat([family.codes(view(w, role)) for family, view in self.parts], dim=-1)
-        mixer = self.mixer[: codes.shape[-1]].to(codes.device)
-        return (codes * mixer).sum(-1)
+        """One int64 bucket id per table: `(n, L)`, hashed `BUCKET_ROWS` rows at a time (their
+        `(rows, L, codes)` int64 codes stay in the cache; all of them at once took most of a
+        build, docs/benchmark-notes.md, "Measurements behind code choices")."""
+        buckets = torch.empty(w.shape[0], self.tables, dtype=torch.long, device=w.device)
+        for start in range(0, w.shape[0], BUCKET_ROWS):
+            rows = w[start : start + BUCKET_ROWS]
+            codes = torch.cat(
+                [family.codes(view(rows, role)) for family, view in self.parts], dim=-1
+            )
+            mixer = self.mixer[: codes.shape[-1]].to(codes.device)
+            torch.sum(codes.mul_(mixer), dim=-1, out=buckets[start : start + BUCKET_ROWS])
+        return buckets
 
     def add(self, keys_w: torch.Tensor) -> None:
         """Index key witnesses `(n, d_w)` (replaces what was added before)."""

@@ -27,6 +27,7 @@ from rewa.index import (
     topk_recall,
 )
 from rewa.index import faiss_index as faiss_module
+from rewa.index import lsh as lsh_module
 from tests.support import build_geometry
 
 N = 8192
@@ -121,6 +122,19 @@ def test_lsh_candidates_beat_chance_for_every_geometry(name, options):
     chance = found.counts.float().mean().item() / 2048
     print(f"\nLSH {name} {options}: top-16 recall {recall:.3f} reading {chance:.3f} of the keys")
     assert recall > 1.5 * chance and recall > 0.3, (recall, chance)
+
+
+@pytest.mark.parametrize("name", ["dot", "euclidean", "poincare", "product"])
+def test_lsh_hashes_the_same_buckets_in_any_number_of_row_chunks(name, monkeypatch):
+    g = build_geometry(name, 16)
+    keys_w = g.witness(torch.randn(1000, 16, generator=torch.Generator().manual_seed(3)) * 0.3)
+    lsh = CompositeLSH(g)
+    lsh.add(keys_w)
+    whole = lsh._buckets(keys_w, "key")
+    monkeypatch.setattr(lsh_module, "BUCKET_ROWS", 7)
+    assert torch.equal(lsh._buckets(keys_w, "key"), whole)
+    codes = torch.cat([family.codes(view(keys_w, "key")) for family, view in lsh.parts], -1)
+    assert torch.equal(whole, (codes * lsh.mixer[: codes.shape[-1]]).sum(-1))
 
 
 def test_lsh_search_returns_distinct_keys():
