@@ -711,8 +711,8 @@ class _PieceTrees:
         axes, thresholds, children, pieces_group = [], [], [], []
         piece = torch.empty_like(labels)
 
-        def grow(rows: torch.Tensor, label: int) -> int:
-            split = None if max_keys == 0 else _split(features[rows].double(), max_keys)
+        def grow(rows: torch.Tensor, label: int, cut: bool = True) -> int:
+            split = _split(features[rows].double(), max_keys) if cut and max_keys else None
             if split is None:
                 piece[rows] = len(pieces_group)
                 pieces_group.append(label)
@@ -731,9 +731,7 @@ class _PieceTrees:
         roots = []
         for label, rows in enumerate(grouped.split(sizes)):
             whole = last_whole and label == n_groups - 1
-            roots.append(grow(rows[:0] if whole else rows, label))
-            if whole:
-                piece[rows] = -1 - roots[-1]
+            roots.append(grow(rows, label, cut=not whole))
         dim = features.shape[-1]
         trees = cls(
             axis=torch.stack(axes) if axes else torch.zeros(0, dim, dtype=torch.float64),
