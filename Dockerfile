@@ -25,9 +25,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# g++ and the Python headers: torch.compile builds dense attention's CPU tiles with them
+# (attention/cpu_kernel.py; without them it warns once and runs uncompiled).
 RUN apt-get update \
     && apt-get install --yes --no-install-recommends \
-        ca-certificates curl make python3 python3-venv \
+        ca-certificates curl g++ make python3 python3-dev python3-venv \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/rewa

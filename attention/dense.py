@@ -16,16 +16,22 @@ import math
 
 import torch
 
-from . import cuda_kernel
+from . import cpu_kernel, cuda_kernel
 from .allocator import retain_freed_memory
 from .dot import DotProduct
 from .geometry import Geometry, ScoreTerm, check_attention_inputs
 from .numerics import (
+    NearScreen,
+    Stage,
     apply_stages_,
     compute_dtype,
     exp2_of_shifted_,
     exp_of_shifted_,
+    near_pairs,
+    near_screen,
     refine_near_pairs,
+    screened_row_minima,
+    with_pairs_recomputed,
 )
 
 DEFAULT_CHUNKS = {"cpu": (None, 1024), "cuda": (2048, 8192)}
@@ -226,27 +232,151 @@ def _tile_logits(
     terms: list[ScoreTerm] | None,
     rows: slice,
     cols: slice,
+    compile_tiles: bool = False,
 ) -> torch.Tensor:
     """Logits of one tile in base-2 units (`log2(e)` times the geometry's): from the product
-    form (`_base2_terms`) when the geometry has one, one matrix product and in-place transforms
-    per term, else from `geometry.score`."""
+    form (`_base2_terms`) when the geometry has one, one matrix product per term and the terms'
+    element-wise work (`combine_terms_`; compiled where `compile_tiles` and the kernel is
+    ready, `_compiled_tile_logits`), else from `geometry.score`."""
     if terms is None:
         return geometry.score(qw[..., rows, :], kw[..., cols, :]).mul_(LOG2E)
+    products = [
+        term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2) for term in terms
+    ]
+    if compile_tiles:
+        logits = _compiled_tile_logits(products, terms, rows, cols)
+        if logits is not None:
+            return logits
+    products = [
+        product if term.near is None else refine_near_pairs(product, *term.near.rows(rows, cols))
+        for product, term in zip(products, terms, strict=True)
+    ]
+    return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
+
+
+def _compiled_tile_logits(
+    products: list[torch.Tensor], terms: list[ScoreTerm], rows: slice, cols: slice
+) -> torch.Tensor | None:
+    """`combine_terms_` compiled (attention/cpu_kernel.py), with the near-pair screen's row
+    minima (`numerics.screened_row_minima`) computed by the same kernel; a tile with near pairs
+    (rare: nearly coincident points) has them recomputed and is combined again. None where the
+    kernel is not ready (its compilation then starts)."""
+    shape = torch.broadcast_shapes(*(product.shape for product in products))
+    batch = shape[:-2]
+    nears = [None if term.near is None else term.near.rows(rows, cols) for term in terms]
+    dtype = products[0].dtype
+    screens = [None if near is None else near_screen(shape, *near, dtype) for near in nears]
+    stages = [term.stages for term in terms]
+    weights = [_tile_layout(torch.as_tensor(term.weight, dtype=dtype), batch, 1) for term in terms]
+    scales = [None if screen is None else _flat_column_scale(screen, shape) for screen in screens]
+    flat = [product.expand(shape).reshape(-1, *shape[-2:]) for product in products]
+    operands = (flat, stages, weights, scales)
+    key = cpu_kernel.signature(stages, dtype)
+    kernel = cpu_kernel.compiled(_combine_and_screen, key, *operands)
+    if kernel is None:
+        return None
+    logits, minima = kernel(*operands)
+    refined = False
+    for i, (screen, near) in enumerate(zip(screens, nears, strict=True)):
+        if screen is None:
+            continue
+        index = near_pairs(products[i].expand(shape), minima[i].reshape(*batch, -1), screen)
+        if index is not None:
+            products[i] = with_pairs_recomputed(products[i].expand(shape), index, *near)
+            refined = True
+    if refined:
+        flat = [product.expand(shape).reshape(-1, *shape[-2:]) for product in products]
+        logits = kernel(flat, stages, weights, scales)[0]
+    return logits.reshape(shape)
+
+
+def _flat_column_scale(screen: NearScreen, shape: torch.Size) -> torch.Tensor:
+    """The screen's column scale (1 where it has none) in the compiled tiles' layout
+    `(batch, 1, m)`."""
+    scale = screen.column_scale
+    if scale is None:
+        scale = screen.row_bound.new_ones(shape[-1])
+    return _tile_layout(scale.unsqueeze(-2), shape[:-2], shape[-1])
+
+
+def _tile_layout(values: torch.Tensor, batch: torch.Size, columns: int) -> torch.Tensor:
+    """`values`, broadcasting against `(*batch, 1, columns)`, as a contiguous
+    `(prod(batch), 1, columns)` tensor: the layout of the compiled kernels' operands (stride-0
+    operands made them several times slower)."""
+    return values.expand(*batch, 1, columns).reshape(-1, 1, columns).contiguous()
+
+
+def _combine_and_screen(
+    products: list[torch.Tensor],
+    stages: list[tuple[Stage, ...]],
+    weights: list[torch.Tensor],
+    column_scales: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """`combine_terms_` leaving its inputs as they are (a compiled function that wrote into its
+    inputs would spend a pass writing them back), and the near-pair screen's row minima of
+    each product that has a column scale: what `cpu_kernel` compiles."""
+    minima = [
+        None if scale is None else screened_row_minima(product, scale.squeeze(-2))
+        for product, scale in zip(products, column_scales, strict=True)
+    ]
+    logits = combine_terms_([product.clone() for product in products], stages, weights)
+    return logits, minima
+
+
+def combine_terms_(
+    products: list[torch.Tensor],
+    stages: list[tuple[Stage, ...]],
+    weights: list[torch.Tensor | float],
+) -> torch.Tensor:
+    """The logits `sum_i weights[i] * stages[i](products[i])` of a product form, computed in place
+    in the products."""
     logits = None
-    for term in terms:
-        product = term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2)
-        if term.near is not None:
-            product = refine_near_pairs(product, *term.near.rows(rows, cols))
-        value = apply_stages_(product, term.stages)
+    for product, term_stages, weight in zip(products, stages, weights, strict=True):
+        value = apply_stages_(product, term_stages)
         if logits is None:
-            logits = value if _is_one(term.weight) else value.mul_(term.weight)
+            logits = value if _is_one(weight) else value.mul_(weight)
+        elif _is_one(weight):
+            logits.add_(value)
         else:
-            logits.addcmul_(value, term.weight)
+            logits.addcmul_(value, torch.as_tensor(weight, dtype=value.dtype))
     return logits
 
 
 def _is_one(weight: torch.Tensor | float) -> bool:
     return isinstance(weight, float | int) and weight == 1
+
+
+def softmax_step(
+    logits: torch.Tensor, running_max: torch.Tensor, may_be_masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key tile of the online softmax in base 2, in place in `logits`: the tile's weights
+    `2^(logits - shift)`, their row sums, the new running maximum and the factor
+    `2^(running_max - shift)` that rescales what earlier tiles summed (`shift` is the new
+    maximum, or 0 in rows where nothing is visible yet)."""
+    new_max = torch.maximum(running_max, logits.amax(-1))
+    shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
+    weights = exp2_of_shifted_(logits.sub_(shift.unsqueeze(-1)), may_be_masked)
+    return weights, weights.sum(-1), new_max, torch.exp2(running_max - shift)
+
+
+def _softmax_step(
+    logits: torch.Tensor, running_max: torch.Tensor, may_be_masked: bool, compile_tiles: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`softmax_step`, compiled where `compile_tiles` and the kernel is ready."""
+    if compile_tiles:
+        key = ("softmax_step", may_be_masked, logits.dtype)
+        operands = (logits, running_max, may_be_masked)
+        kernel = cpu_kernel.compiled(_softmax_step_copy, key, *operands)
+        if kernel is not None:
+            return kernel(*operands)
+    return softmax_step(logits, running_max, may_be_masked)
+
+
+def _softmax_step_copy(
+    logits: torch.Tensor, running_max: torch.Tensor, may_be_masked: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`softmax_step` leaving `logits` as it is (compiled: `_combine_and_screen`)."""
+    return softmax_step(logits.clone(), running_max, may_be_masked)
 
 
 def _tiled_forward(
@@ -269,6 +399,9 @@ def _tiled_forward(
     batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
     out = qw.new_zeros(*batch, n_queries, v.shape[-1])
     lse = qw.new_full((*batch, n_queries), float("-inf"))
+    n_logits = math.prod(batch) * n_queries * n_keys
+    stages = None if terms is None else [term.stages for term in terms]
+    compile_tiles = cpu_kernel.applies(qw, stages, n_logits)
     for q_start in range(0, n_queries, q_chunk):
         rows = slice(q_start, min(q_start + q_chunk, n_queries))
         running_max = qw.new_full((*batch, rows.stop - rows.start), float("-inf"))
@@ -276,15 +409,12 @@ def _tiled_forward(
         acc = qw.new_zeros(*batch, rows.stop - rows.start, v.shape[-1])
         for k_start in range(0, _key_limit(causal, rows.stop, n_keys, offset), k_chunk):
             cols = slice(k_start, min(k_start + k_chunk, n_keys))
-            logits = _tile_logits(qw, kw, geometry, terms, rows, cols)
+            logits = _tile_logits(qw, kw, geometry, terms, rows, cols, compile_tiles)
             logits = _mask_tile(logits, mask, causal, rows, cols, offset, LOG2E)
-            new_max = torch.maximum(running_max, logits.amax(-1))
-            shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            weights = exp2_of_shifted_(logits.sub_(shift.unsqueeze(-1)), masked)
-            rescale = torch.exp2(running_max - shift)
-            total = total * rescale + weights.sum(-1)
+            step = _softmax_step(logits, running_max, masked, compile_tiles)
+            weights, row_sums, running_max, rescale = step
+            total = total * rescale + row_sums
             acc = acc * rescale.unsqueeze(-1) + weights @ v[..., cols, :]
-            running_max = new_max
         seen = total > 0
         out[..., rows, :] = acc / torch.where(seen, total, torch.ones_like(total)).unsqueeze(-1)
         base2_lse = running_max + total.log2()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -103,7 +103,7 @@ rounding bound `eps (|x|^2 + |y|^2)`: beyond it the expansion keeps a relative a
 1e-4 or better, below it the direct difference is used."""
 WEIGHT_SPREAD = 4.0
 """Column weights whose largest is more than this times their smallest are divided out before a
-tile's rows are screened for near pairs (`_near_pairs`)."""
+tile's rows are screened for near pairs (`near_screen`)."""
 REFINE_CHUNK = 1 << 18
 """Pairs recomputed per gather (bounds the memory of the worst case, every pair near)."""
 
@@ -124,10 +124,106 @@ def refine_near_pairs(
     0.12 at the float32 Poincare radius, gradients off by the size of the gradient itself).
     Entries below `NEAR_TOLERANCE` times that bound are recomputed directly (differentiably),
     so every entry keeps its relative accuracy; far pairs, almost all of them in attention, keep
-    the single matrix product (docs/mathematics.md, "Fused dense attention")."""
-    index = _near_pairs(squared.detach(), x, y, x_weight, y_weight, factor)
+    the single matrix product (docs/mathematics.md, "Fused dense attention").
+
+    The work is `near_screen` (per row and column), `screened_row_minima` (one pass over the
+    matrix), `near_pairs` (only in rows that may hold one) and `with_pairs_recomputed`; a fused
+    kernel may compute the minima in its own pass."""
+    screen = near_screen(squared.shape, x, y, x_weight, y_weight, factor, squared.dtype)
+    row_min = screened_row_minima(squared.detach(), screen.column_scale)
+    index = near_pairs(squared.detach(), row_min, screen)
     if index is None:
         return squared
+    return with_pairs_recomputed(squared, index, x, y, x_weight, y_weight, factor)
+
+
+class NearScreen(NamedTuple):
+    """How to find the rows of a squared-distance matrix `(..., n, m)` that may hold a near
+    pair (`near_pairs`): a row may where its smallest entry times `column_scale (..., m)` (None:
+    1) is at most `row_bound (..., n)`. An entry is near where it is at most
+    `scale (x2[i] + y2[j]) x_weight[i] y_weight[j]`: squared norms and weights' sizes,
+    `(..., n)` and `(..., m)`."""
+
+    column_scale: torch.Tensor | None
+    row_bound: torch.Tensor
+    scale: float
+    x2: torch.Tensor
+    y2: torch.Tensor
+    x_weight: torch.Tensor
+    y_weight: torch.Tensor
+
+
+@torch.no_grad()
+def near_screen(
+    shape: torch.Size,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_weight: torch.Tensor | None,
+    y_weight: torch.Tensor | None,
+    factor: float,
+    dtype: torch.dtype,
+) -> NearScreen:
+    """The screen of the entries of a `shape (..., n, m)` matrix below `NEAR_TOLERANCE` times
+    their rounding bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)`: the row's largest
+    bound, after dividing out the column weights where they differ by more than
+    `WEIGHT_SPREAD` (as a product with their reciprocals, a division costing several times
+    more on CPUs; the bound is widened by a few roundings for the two results that may differ by
+    one). Costs O(n + m)."""
+    batch, (n, m) = shape[:-2], shape[-2:]
+    eps = torch.finfo(dtype).eps
+    scale = NEAR_TOLERANCE * eps * factor
+    x2 = x.square().sum(-1).expand(*batch, n)
+    y2 = y.square().sum(-1).expand(*batch, m)
+    xw = torch.ones_like(x2) if x_weight is None else x_weight.abs().expand(*batch, n)
+    yw = torch.ones_like(y2) if y_weight is None else y_weight.abs().expand(*batch, m)
+    if bool((yw.amax(-1) > WEIGHT_SPREAD * yw.amin(-1)).any()):
+        # Column weights of very different sizes (conformal factors near the Poincare boundary)
+        # would make every row a candidate: compare each row's smallest s_ij / w_y[j] instead.
+        row_bound = scale * xw * (x2 + y2.amax(-1, keepdim=True)) * (1 + 4 * eps)
+        return NearScreen(yw.reciprocal(), row_bound, scale, x2, y2, xw, yw)
+    largest = (yw.amax(-1, keepdim=True), (yw * y2).amax(-1, keepdim=True))
+    row_bound = scale * xw * (x2 * largest[0] + largest[1])
+    return NearScreen(None, row_bound, scale, x2, y2, xw, yw)
+
+
+def screened_row_minima(squared: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
+    """Each row's smallest entry of `squared` times `column_scale` (`NearScreen`)."""
+    if column_scale is None:
+        return squared.amin(-1)
+    return (squared * column_scale.unsqueeze(-2)).amin(-1)
+
+
+@torch.no_grad()
+def near_pairs(
+    squared: torch.Tensor, row_min: torch.Tensor, screen: NearScreen
+) -> tuple[torch.Tensor, ...] | None:
+    """The index of the entries of `squared (..., n, m)` below `NEAR_TOLERANCE` times their
+    rounding bound (`near_screen`), or None: only the rows whose screened minimum `row_min`
+    is within `screen.row_bound` are compared entry by entry, so the usual case, no near pair,
+    costs nothing beyond the minima."""
+    rows = (row_min <= screen.row_bound).nonzero(as_tuple=True)
+    if rows[0].numel() == 0:
+        return None
+    row_batch, row = rows[:-1], rows[-1]
+    x2, y2, xw, yw = screen.x2, screen.y2, screen.x_weight, screen.y_weight
+    bound = (x2[rows].unsqueeze(-1) + y2[row_batch]) * (xw[rows].unsqueeze(-1) * yw[row_batch])
+    near, column = (squared[rows] <= screen.scale * bound).nonzero(as_tuple=True)
+    if near.numel() == 0:
+        return None
+    return (*(part[near] for part in row_batch), row[near], column)
+
+
+def with_pairs_recomputed(
+    squared: torch.Tensor,
+    index: tuple[torch.Tensor, ...],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    x_weight: torch.Tensor | None = None,
+    y_weight: torch.Tensor | None = None,
+    factor: float = 1.0,
+) -> torch.Tensor:
+    """`squared` with the entries at `index` recomputed as `factor w_x[i] w_y[j] |x_i - y_j|^2`
+    (differentiably, a copy)."""
     batch = squared.shape[:-2]
     n, m = squared.shape[-2:]
     xs = x.expand(*batch, n, x.shape[-1])
@@ -145,49 +241,6 @@ def refine_near_pairs(
             value = value * y_weights[cols]
         values.append(value)
     return squared.index_put(index, torch.cat(values).to(squared.dtype))
-
-
-@torch.no_grad()
-def _near_pairs(
-    squared: torch.Tensor,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    x_weight: torch.Tensor | None,
-    y_weight: torch.Tensor | None,
-    factor: float,
-) -> tuple[torch.Tensor, ...] | None:
-    """The index of the entries of `squared (..., n, m)` below `NEAR_TOLERANCE` times their
-    rounding bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)`, or None.
-
-    One reduction over the matrix finds the rows that may hold one (a row's smallest entry
-    against the row's largest bound, after dividing out the column weights where they differ
-    by more than `WEIGHT_SPREAD`); only those rows are compared entry by entry, so the usual
-    case, no near pair, costs one or two passes."""
-    batch, (n, m) = squared.shape[:-2], squared.shape[-2:]
-    scale = NEAR_TOLERANCE * torch.finfo(squared.dtype).eps * factor
-    x2 = x.square().sum(-1).expand(*batch, n)
-    y2 = y.square().sum(-1).expand(*batch, m)
-    ones_x, ones_y = torch.ones_like(x2), torch.ones_like(y2)
-    xw = ones_x if x_weight is None else x_weight.abs().expand(*batch, n)
-    yw = ones_y if y_weight is None else y_weight.abs().expand(*batch, m)
-    if bool((yw.amax(-1) > WEIGHT_SPREAD * yw.amin(-1)).any()):
-        # Column weights of very different sizes (conformal factors near the Poincare boundary)
-        # would make every row a candidate: compare each row's smallest s_ij / w_y[j] instead.
-        row_min = (squared / yw.unsqueeze(-2)).amin(-1)
-        row_bound = scale * xw * (x2 + y2.amax(-1, keepdim=True))
-    else:
-        row_min = squared.amin(-1)
-        largest = (yw.amax(-1, keepdim=True), (yw * y2).amax(-1, keepdim=True))
-        row_bound = scale * xw * (x2 * largest[0] + largest[1])
-    rows = (row_min <= row_bound).nonzero(as_tuple=True)
-    if rows[0].numel() == 0:
-        return None
-    row_batch, row = rows[:-1], rows[-1]
-    bound = (x2[rows].unsqueeze(-1) + y2[row_batch]) * (xw[rows].unsqueeze(-1) * yw[row_batch])
-    near, column = (squared[rows] <= scale * bound).nonzero(as_tuple=True)
-    if near.numel() == 0:
-        return None
-    return (*(part[near] for part in row_batch), row[near], column)
 
 
 def gram_operands(

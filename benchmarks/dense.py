@@ -1,10 +1,14 @@
 """Exact dense attention: rewa's geometries against PyTorch's scaled_dot_product_attention.
 
 One process, the same data for every method, one head, d = 64, no gradient, on the CPU. For each
-N and thread count, every method runs once untimed, then the fastest of `--rounds` interleaved
-rounds counts (the machine's speed drifts; interleaving keeps the ratios fair). Records
-`{"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa"}` in
-`benchmarks/results/dense.json` and plots `benchmarks/results/dense.png`.
+N and thread count, every method runs once first (`first_call_seconds`; where that call starts
+the compilation of a geometry's CPU tiles, attention/cpu_kernel.py, it runs uncompiled, and the
+script then waits for the compilation, `compile_wait_seconds`; Inductor's cache starts empty
+unless TORCHINDUCTOR_CACHE_DIR is set), then the fastest of `--rounds` interleaved rounds counts
+(the machine's speed drifts; interleaving keeps the ratios fair). Records `{"method",
+"geometry", "n", "d", "threads", "seconds", "vs_sdpa", "first_call_seconds",
+"compile_wait_seconds", "cpu"}` in `benchmarks/results/dense.json` and plots
+`benchmarks/results/dense.png`.
 
 Methods: `sdpa` (torch.nn.functional.scaled_dot_product_attention); `rewa` (dense_attention with
 each geometry at its defaults, fused: docs/mathematics.md "Fused dense attention"; for `dot` it
@@ -19,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,7 +35,7 @@ from torch.nn import functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.measure import cpu_description
-from rewa.attention import Geometry, dense_attention, make_geometry
+from rewa.attention import Geometry, cpu_kernel, dense_attention, make_geometry
 
 GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
 DEFAULT_SIZES = [8192, 32768]
@@ -62,15 +68,23 @@ def run(sizes: list[int], thread_counts: list[int], rounds: int, d: int = 64) ->
             generator = torch.Generator().manual_seed(n)
             q, k, v = (torch.randn(1, 1, n, d, generator=generator) for _ in range(3))
             best = [float("inf")] * len(configurations)
+            first, compiling = [], []
             with torch.no_grad():
-                for _, _, geometry, mask in configurations:  # untimed first call
+                for _, _, geometry, mask in configurations:  # first call, not among the rounds
+                    start = time.perf_counter()
                     attend(q, k, v, geometry, mask)
+                    first.append(time.perf_counter() - start)
+                    start = time.perf_counter()
+                    cpu_kernel.wait()
+                    compiling.append(time.perf_counter() - start)
                 for _ in range(rounds):
                     for i, (_, _, geometry, mask) in enumerate(configurations):
                         start = time.perf_counter()
                         attend(q, k, v, geometry, mask)
                         best[i] = min(best[i], time.perf_counter() - start)
-            for (method, name, _, _), seconds in zip(configurations, best, strict=True):
+            for (method, name, _, _), seconds, first_seconds, compile_seconds in zip(
+                configurations, best, first, compiling, strict=True
+            ):
                 record = {
                     "method": method,
                     "geometry": name,
@@ -79,6 +93,8 @@ def run(sizes: list[int], thread_counts: list[int], rounds: int, d: int = 64) ->
                     "threads": threads,
                     "seconds": round(seconds, 4),
                     "vs_sdpa": round(seconds / best[0], 3),
+                    "first_call_seconds": round(first_seconds, 4),
+                    "compile_wait_seconds": round(compile_seconds, 4),
                     "cpu": cpu,
                 }
                 records.append(record)
@@ -136,7 +152,7 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, nargs="+", help="thread counts (default: 1 and all of them)"
     )
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = parser.parse_args()
@@ -144,6 +160,9 @@ def main() -> None:
         plot(json.loads((args.out / "dense.json").read_text()), args.out / "dense.png")
         return
     thread_counts = args.threads or sorted({1, torch.get_num_threads()})
+    # The first calls compile from scratch, as in a fresh installation, unless the caller
+    # chose Inductor's cache directory.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="rewa-inductor-"))
     args.out.mkdir(parents=True, exist_ok=True)
     records = run(args.sizes, thread_counts, args.rounds)
     (args.out / "dense.json").write_text(json.dumps(records, indent=1) + "\n")

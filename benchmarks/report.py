@@ -56,6 +56,22 @@ def dense_section(records: list[dict]) -> str:
             else f"`{geometry}`" + (" (rewa's tiled kernel)" if method == "rewa-tiled" else "")
         )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first = [r for r in records if "first_call_seconds" in r and r["method"] == "rewa"]
+    if first:
+        threads, n = min((r["threads"], r["n"]) for r in first)
+        calls = ", ".join(
+            f"`{r['geometry']}` {r['first_call_seconds']:.2f} s"
+            + (f" + {r['compile_wait_seconds']:.1f} s" if r["compile_wait_seconds"] > 0.01 else "")
+            for r in first
+            if (r["threads"], r["n"]) == (threads, n)
+        )
+        lines += [
+            "",
+            f"The process's first call of each geometry (N = {n}, {threads} thread"
+            f"{'s' if threads > 1 else ''}), and after it the wait for the compilation of its CPU",
+            "tiles where it started one (attention/cpu_kernel.py: the call itself runs",
+            f"uncompiled meanwhile; Inductor's cache empty): {calls}.",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,9 @@ def test_dense_benchmark_writes_records_and_a_plot(tmp_path):
         "dense", tmp_path, "--sizes", "256", "512", "--threads", "1", "2", "--rounds", "1"
     )
     keys = {"method", "geometry", "n", "d", "threads", "seconds", "vs_sdpa", "cpu"}
+    keys |= {"first_call_seconds", "compile_wait_seconds"}
     assert all(set(r) == keys for r in records)
+    assert all(r["first_call_seconds"] > 0 and r["compile_wait_seconds"] >= 0 for r in records)
     assert len({r["cpu"] for r in records}) == 1 and records[0]["cpu"].endswith(")")
     methods = {(r["method"], r["geometry"]) for r in records}
     assert ("sdpa", "dot") in methods and ("rewa-tiled", "dot") in methods
