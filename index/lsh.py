@@ -93,6 +93,20 @@ class BoundaryProjectionHash:
 
 
 BUCKET_ROWS = 2048  # rows hashed at a time by `CompositeLSH._buckets`
+BASE_BITS, BASE_KEYS = 10, 8192
+"""SimHash bits per table for up to `BASE_KEYS` keys (`default_bits`); also the bits of every
+table whose stored state does not record them (states written before bits grew with N)."""
+MAX_DEFAULT_BITS = 16
+
+
+def default_bits(n_keys: int) -> int:
+    """SimHash bits per table for `n_keys` keys: `BASE_BITS`, and one more for each fourfold of
+    `BASE_KEYS` that `n_keys` reaches (11 from 32768, 12 from 131072, 13 from 524288; at most
+    `MAX_DEFAULT_BITS`). With fixed
+    bits the buckets outgrow `bucket_limit` as N grows and recall falls (docs/indexes.md,
+    "Composite LSH")."""
+    fourfold_growths = max(0, ((n_keys // BASE_KEYS).bit_length() - 1) // 2)
+    return min(BASE_BITS + fourfold_growths, MAX_DEFAULT_BITS)
 
 
 class CompositeLSH:
@@ -101,7 +115,8 @@ class CompositeLSH:
     Args:
         geometry: the geometry whose witnesses are hashed.
         tables: L.
-        bits: SimHash bits per table (sphere, dot product, ideal points).
+        bits: SimHash bits per table (sphere, dot product, ideal points); None: chosen from the
+            number of keys when they are added (`default_bits`).
         grid_hashes, grid_width: E2LSH projections per table and bucket width (Euclidean;
             default: 4x the median distance of a key to its 16th nearest key).
         band: radial band width r_H (hyperbolic).
@@ -109,15 +124,17 @@ class CompositeLSH:
             fixed random order), which bounds the candidate width.
         seed: seed of the random projections.
 
-    Defaults (64 tables, 10 bits, 48 per bucket) give top-64 recall 0.97 on `clustered` at
-    N = 8192 with about 730 candidates per query (tests/test_index.py).
+    The hash families are drawn when the keys are added (`add`, `restore`), since their bits
+    may depend on how many keys there are. Defaults (64 tables, 10 bits up to 32767 keys, 48 per
+    bucket) give top-64 recall 0.97 on `clustered` at N = 8192 with about 730 candidates per
+    query (tests/test_index.py).
     """
 
     def __init__(
         self,
         geometry: Geometry,
         tables: int = 64,
-        bits: int = 10,
+        bits: int | None = None,
         grid_hashes: int = 4,
         grid_width: float | None = None,
         band: float = 1.0,
@@ -125,7 +142,8 @@ class CompositeLSH:
         seed: int = 0,
     ) -> None:
         check_int("tables", tables, 1, 256)
-        check_int("bits", bits, 1, 32)
+        if bits is not None:
+            check_int("bits", bits, 1, 32)
         check_int("grid_hashes", grid_hashes, 1, 32)
         if grid_width is not None:
             check_positive("grid_width", grid_width)
@@ -133,9 +151,15 @@ class CompositeLSH:
         check_int("bucket_limit", bucket_limit, 1, 65536)
         check_int("seed", seed, 0, 2**63 - 1)
         self.geometry, self.tables, self.bucket_limit = geometry, tables, bucket_limit
-        generator = torch.Generator().manual_seed(seed)
-        self.parts = _families(geometry, tables, bits, grid_hashes, grid_width, band, generator)
-        self.mixer = torch.randint(1, 2**31 - 1, (256,), generator=generator) * 2 + 1
+        self.bits, self.grid_hashes, self.grid_width = bits, grid_hashes, grid_width
+        self.band, self.seed = band, seed
+        # Drawn here once to raise now, not at `add`, for a geometry without hash families.
+        _families(
+            geometry, tables, bits or BASE_BITS, grid_hashes, grid_width, band, torch.Generator()
+        )
+        self.parts: list | None = None  # (family, view) pairs, drawn by `_draw_families`
+        self.mixer: torch.Tensor | None = None
+        self.table_bits: int | None = None  # the bits the families were drawn with
         self.order: torch.Tensor | None = None
         self.sorted_buckets: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
@@ -158,8 +182,26 @@ class CompositeLSH:
             torch.sum(codes.mul_(mixer), dim=-1, out=buckets[start : start + BUCKET_ROWS])
         return buckets
 
+    def _draw_families(self, bits: int) -> None:
+        """The hash families and the bucket mixer for `bits` SimHash bits per table, drawn from
+        the seed (the same draws for the same bits)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        self.parts = _families(
+            self.geometry,
+            self.tables,
+            bits,
+            self.grid_hashes,
+            self.grid_width,
+            self.band,
+            generator,
+        )
+        self.mixer = torch.randint(1, 2**31 - 1, (256,), generator=generator) * 2 + 1
+        self.table_bits = bits
+
     def add(self, keys_w: torch.Tensor) -> None:
-        """Index key witnesses `(n, d_w)` (replaces what was added before)."""
+        """Index key witnesses `(n, d_w)` (replaces what was added before), with families
+        drawn for their number (`bits`, `default_bits`)."""
+        self._draw_families(self.bits or default_bits(keys_w.shape[0]))
         self.keys = keys_w
         for family, view in self.parts:
             if isinstance(family, GridHash):
@@ -197,8 +239,8 @@ class CompositeLSH:
         return best_candidates(self.geometry, queries_w, self.keys, self.candidates(queries_w), k)
 
     def state(self) -> dict[str, np.ndarray]:
-        """The sorted buckets and key order of every table and the calibrated grid widths (the
-        projections follow from the constructor's seed)."""
+        """The sorted buckets and key order of every table, the calibrated grid widths and the
+        bits per table (the projections follow from the seed and the bits)."""
         if self.order is None:
             raise RuntimeError("CompositeLSH.state before add()")
         widths = [family.width for family, _ in self.parts if isinstance(family, GridHash)]
@@ -206,10 +248,17 @@ class CompositeLSH:
             "order": self.order.cpu().numpy(),
             "sorted_buckets": self.sorted_buckets.cpu().numpy(),
             "grid_widths": np.array(widths, dtype=np.float64),
+            "bits": np.array(self.table_bits, dtype=np.int64),
         }
 
     def restore(self, keys_w: torch.Tensor, state: dict[str, np.ndarray]) -> None:
-        """Load `state()` output for the same key witnesses and constructor arguments."""
+        """Load `state()` output for the same key witnesses and constructor arguments. A state
+        without its bits (written before they grew with N) has `BASE_BITS`, or the
+        constructor's `bits`."""
+        bits = int(state["bits"]) if "bits" in state else self.bits or BASE_BITS
+        if self.bits is not None and bits != self.bits:
+            raise ValueError(f"the stored LSH state has {bits} bits per table, not {self.bits}")
+        self._draw_families(bits)
         grids = [family for family, _ in self.parts if isinstance(family, GridHash)]
         if len(grids) != len(state["grid_widths"]):
             raise ValueError("the stored LSH state was built with other hash families")

@@ -137,6 +137,42 @@ def test_lsh_hashes_the_same_buckets_in_any_number_of_row_chunks(name, monkeypat
     assert torch.equal(whole, (codes * lsh.mixer[: codes.shape[-1]]).sum(-1))
 
 
+def test_lsh_bits_grow_by_one_per_fourfold_growth_of_the_keys():
+    sizes = (1, 8192, 32767, 32768, 131072, 1 << 20, 1 << 40)
+    assert [lsh_module.default_bits(n) for n in sizes] == [10, 10, 10, 11, 12, 13, 16]
+    g = make_geometry("sphere", 8)
+    keys_w = g.witness(torch.randn(40000, 8, generator=torch.Generator().manual_seed(0)))
+    lsh = CompositeLSH(g)
+    lsh.add(keys_w)
+    assert lsh.table_bits == 11 and lsh.parts[0][0].projection.shape == (8, 64 * 11)
+    lsh.add(keys_w[:1000])  # added again, fewer keys: tables drawn for them
+    assert lsh.table_bits == 10 and lsh.parts[0][0].projection.shape == (8, 64 * 10)
+    fixed = CompositeLSH(g, bits=14)
+    fixed.add(keys_w)
+    assert fixed.table_bits == 14
+
+
+def test_an_lsh_state_restores_its_bits_and_one_without_them_has_ten():
+    g = make_geometry("dot", 16)
+    generator = torch.Generator().manual_seed(1)
+    keys = torch.randn(40000, 16, generator=generator)
+    queries = keys[:50] + 0.1 * torch.randn(50, 16, generator=generator)
+    grown = build_index(keys, g, "lsh")
+    restored = index_from_bytes(index_to_bytes(grown), keys, g, "lsh")
+    assert grown.table_bits == restored.table_bits == 11
+    assert torch.equal(restored.candidates(queries), grown.candidates(queries))
+
+    earlier = build_index(keys, g, "lsh", bits=10)  # as every state was before bits grew
+    state = earlier.state()
+    del state["bits"]
+    fresh = CompositeLSH(g)
+    fresh.restore(keys, state)
+    assert fresh.table_bits == 10
+    assert torch.equal(fresh.candidates(queries), earlier.candidates(queries))
+    with pytest.raises(ValueError, match="11 bits per table, not 12"):
+        CompositeLSH(g, bits=12).restore(keys, grown.state())
+
+
 def test_lsh_search_returns_distinct_keys():
     """Several tables propose the same key; a search keeps it once."""
     data = clustered(2048)
@@ -432,7 +468,7 @@ def test_index_settings_name_the_bad_value(option, value):
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("tables", 0), ("bits", 33), ("grid_hashes", 0), ("grid_width", -1.0),
+    [("tables", 0), ("bits", 33), ("bits", 0), ("grid_hashes", 0), ("grid_width", -1.0),
      ("grid_width", float("nan")), ("band", 0), ("bucket_limit", 0), ("seed", -1)],
 )  # fmt: skip
 def test_composite_lsh_names_the_bad_value(option, value):
