@@ -269,8 +269,7 @@ def _compiled_tile_logits(
     stages = [term.stages for term in terms]
     weights = [_tile_layout(torch.as_tensor(term.weight, dtype=dtype), batch, 1) for term in terms]
     scales = [None if screen is None else _flat_column_scale(screen, shape) for screen in screens]
-    flat = [product.expand(shape).reshape(-1, *shape[-2:]) for product in products]
-    operands = (flat, stages, weights, scales)
+    operands = (_flat_products(products, shape), stages, weights, scales)
     key = cpu_kernel.signature(stages, dtype)
     kernel = cpu_kernel.compiled(_combine_and_screen, key, *operands)
     if kernel is None:
@@ -285,9 +284,14 @@ def _compiled_tile_logits(
             products[i] = with_pairs_recomputed(products[i].expand(shape), index, *near)
             refined = True
     if refined:
-        flat = [product.expand(shape).reshape(-1, *shape[-2:]) for product in products]
-        logits = kernel(flat, stages, weights, scales)[0]
+        logits = kernel(_flat_products(products, shape), stages, weights, scales)[0]
     return logits.reshape(shape)
+
+
+def _flat_products(products: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+    """The products broadcast to the tile's `shape`, in the compiled kernels' layout
+    `(prod(batch), n, m)`."""
+    return [product.expand(shape).reshape(-1, *shape[-2:]) for product in products]
 
 
 def _flat_column_scale(screen: NearScreen, shape: torch.Size) -> torch.Tensor:

@@ -46,10 +46,15 @@ def inputs(dtype, nq=75, nk=150, d=8, dv=5, batch=(2, 3), seed=0):
 
 def attention_both_ways(g, q, k, v, monkeypatch, **options):
     """`(compiled, uncompiled)` results of one call: the first call starts the compilation
-    and is answered uncompiled, the one after it is compiled."""
+    and is answered uncompiled, the one after it is compiled (its kernels are seen to run)."""
     first = dense_attention(q, k, v, g, **CHUNKS, **options)
     assert cpu_kernel.wait(timeout=300)
+    calls = []
+    for key, kernel in cpu_kernel._kernels.items():
+        counted = lambda *args, kernel=kernel: calls.append(1) or kernel(*args)  # noqa: E731
+        monkeypatch.setitem(cpu_kernel._kernels, key, counted)
     compiled = dense_attention(q, k, v, g, **CHUNKS, **options)
+    assert calls
     monkeypatch.setattr(cpu_kernel, "enabled", False)
     uncompiled = dense_attention(q, k, v, g, **CHUNKS, **options)
     monkeypatch.setattr(cpu_kernel, "enabled", True)
@@ -149,7 +154,9 @@ def test_a_failed_compilation_warns_once_and_every_call_is_answered(
             torch.testing.assert_close(value, reference, rtol=0, atol=0)
 
 
-def test_compilation_applies_where_it_pays():
+def test_compilation_applies_where_it_pays(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "enabled", True)
+    monkeypatch.setattr(cpu_kernel, "_failure", None)
     w = torch.zeros(4, 8)
     product = [("sqrt",), ("arcsin_of_root",), ("acosh1p",)]
     assert cpu_kernel.applies(w, product, cpu_kernel.MIN_LOGITS)
