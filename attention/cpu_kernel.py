@@ -13,7 +13,8 @@ before it is ready run uncompiled (slowed while the compiling thread holds the i
 lock), and later ones compiled. `wait()`
 blocks until the compilations under way have ended. Only calls of at least `MIN_LOGITS`
 logits, of product forms that gain (`gains`), start one. It needs a C++ compiler and the Python
-headers; where compilation fails, the next call warns once and the process goes on uncompiled,
+headers; a process that ends during a compilation waits for it. Where compilation fails, the
+next call warns once and the process goes on uncompiled,
 with the same results to rounding. `REWA_CPU_COMPILE=0` in the environment, or
 `enabled = False`, turns it off.
 """
@@ -79,8 +80,10 @@ def compiled(function: Callable, key: tuple, *args) -> Callable | None:
     with _lock:
         if _failure is None and key not in _pending:
             copies = [_copy(arg) for arg in args]
+            # Not a daemon: the interpreter waits for it at exit. A daemon thread still inside
+            # the compiler when the interpreter finalises can abort the process (SIGABRT).
             thread = threading.Thread(
-                target=_compile, args=(function, key, copies), name="rewa-compile", daemon=True
+                target=_compile, args=(function, key, copies), name="rewa-compile", daemon=False
             )
             _pending[key] = thread
             thread.start()
