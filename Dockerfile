@@ -44,14 +44,18 @@ COPY service/ service/
 COPY clients/ clients/
 COPY llm/ llm/
 COPY research/ research/
+# Numba's cache of tail attention's compiled loop (index/tail/kernel.py), filled here so that a
+# server's first decode step does not compile it.
+ENV NUMBA_CACHE_DIR=/opt/rewa/.numba-cache
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
-    && .venv/bin/python -m compileall -q attention index service clients llm research
+    && .venv/bin/python -m compileall -q attention index service clients llm research \
+    && .venv/bin/python -c "from rewa.index.tail.kernel import compile_ahead; compile_ahead()"
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
 # is set.
 RUN useradd --system --uid 10001 --create-home --shell /usr/sbin/nologin rewa \
-    && mkdir /data && chown rewa /data
+    && mkdir /data && chown rewa /data && chown -R rewa "$NUMBA_CACHE_DIR"
 USER 10001
 ENV PATH=/opt/rewa/.venv/bin:$PATH \
     REWA_HOST=0.0.0.0 \

@@ -355,7 +355,9 @@ def test_cpu_calls_keep_freed_memory_in_the_process(monkeypatch):
 def test_a_reference_too_far_from_the_logits_falls_back_to_the_general_path(name, offset):
     # float32 weights exp(l - reference) overflow for a reference 200 below the logits and
     # underflow for one 200 above; those queries are done again per cluster, and every query
-    # gets the exact result. Queries 0-4 visit only window keys: (0, -inf) either way.
+    # gets the exact result. Queries 0-4 visit only window keys: (0, -inf) either way. The dot
+    # product's compiled loop takes each query's largest logit as its reference instead of the
+    # one given, so none of its queries fails.
     g = build_geometry(name, 8)
     q, k, v = (x.float() for x in _inputs(n_keys=700))
     clusters = _clusters(k, v, g, n_clusters=9)
@@ -383,7 +385,7 @@ def test_a_reference_too_far_from_the_logits_falls_back_to_the_general_path(name
         out, lse = _visited_attention(qw, clusters, pair_query, pair_cluster, is_always, reference)
     visits_keys = torch.isfinite(expected[1])
     assert not visits_keys[:5].any() and visits_keys[5:].all()
-    if offset == 0:
+    if offset == 0 or name == "dot":
         assert not failed[visits_keys].any()
     else:
         assert failed[visits_keys].all()

@@ -12,6 +12,7 @@ from rewa.attention.sparse import softmax_attend
 
 from ..block_scoring import block_scorer
 from ..clusters import ClusterHeads, KeyClusters
+from .kernel import dot_product_sums, few_visitors
 
 KEY_BLOCK = 128  # keys per block of the exact part
 QUERY_GROUP = 32  # queries per (group, block) slice of the exact part
@@ -69,15 +70,18 @@ def _visited_heads(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_visited_attention` of the heads' queries `(H, nq, d_w)`, the pairs' queries numbered
     as rows `head * nq + query` (ascending, as `select_clusters` gives them): `(out (H * nq,
-    dv), lse (H * nq,))`. On the CPU without autograd one loop covers the visited clusters of
-    every head (`_shared_reference_attention`); a head with a query whose sum over- or
-    underflowed, and every head elsewhere, goes through `_visited_attention` on its own."""
+    dv), lse (H * nq,))`. On the CPU, when the queries need no gradient, one loop covers the
+    visited clusters of every head (`_shared_reference_attention`); a head with a query whose
+    sum over- or underflowed, and every head elsewhere, goes through `_visited_attention` on
+    its own."""
     n_heads, n_queries = qw.shape[:2]
     if n_heads == 1:
         return _visited_attention(
             qw[0], heads.heads[0], pair_query, pair_cluster, is_always[0], reference
         )
-    shared = qw.device.type == "cpu" and not torch.is_grad_enabled() and pair_query.numel() > 0
+    shared = (
+        qw.device.type == "cpu" and not _needs_grad(qw, heads.geometry) and pair_query.numel() > 0
+    )
     if shared:
         out, lse, failed = _shared_reference_attention(
             qw.flatten(0, 1), heads.heads, pair_query, pair_cluster, is_always, reference
@@ -117,11 +121,11 @@ def _visited_attention(
     """Exact attention `(out, lse)` of each query over the keys of its visited clusters (the
     `(query, cluster)` pairs), leaving out the keys flagged `is_always` (read elsewhere).
 
-    On the CPU one matrix product per visited cluster reads the cluster's keys in place; without
-    autograd and with a `reference` per query (`_largest_logit_estimate`), the exponentials of
-    all of a query's clusters share it (`_shared_reference_attention`), and the queries whose
-    sums over- or underflow it are done again by the general path: one partial `(out, lse)` per
-    pair (`_per_cluster_partials`), merged per query (`_merge_partials`). On a GPU, where each
+    On the CPU each visited cluster's keys are read in place; for queries that need no gradient
+    and with a `reference` per query (`_largest_logit_estimate`), the exponentials of all of a
+    query's clusters share it (`_shared_reference_attention`), and the queries whose sums over-
+    or underflow it are done again by the general path: one partial `(out, lse)` per pair
+    (`_per_cluster_partials`), merged per query (`_merge_partials`). On a GPU, where each
     kernel launch costs more than the work of a cluster, one batched product covers every
     cluster (`_blocked_partials`), merged the same way."""
     n_queries = qw.shape[0]
@@ -134,7 +138,7 @@ def _visited_attention(
         return _merge_partials(
             n_queries, *_blocked_partials(qw, clusters, pair_query, pair_cluster, is_always)
         )
-    if reference is None or torch.is_grad_enabled():
+    if reference is None or _needs_grad(qw, clusters.geometry):
         return _merge_partials(
             n_queries, *_per_cluster_partials(qw, clusters, pair_query, pair_cluster, is_always)
         )
@@ -152,6 +156,14 @@ def _visited_attention(
     return out, lse
 
 
+def _needs_grad(qw: torch.Tensor, geometry: torch.nn.Module) -> bool:
+    """Whether autograd must see the exact part: the queries or a parameter of the geometry
+    require a gradient (the clustered keys and their statistics never do)."""
+    if not torch.is_grad_enabled():
+        return False
+    return qw.requires_grad or any(p.requires_grad for p in geometry.parameters())
+
+
 def _shared_reference_attention(
     qw: torch.Tensor,
     heads: list[KeyClusters],
@@ -160,21 +172,55 @@ def _shared_reference_attention(
     is_always: list[torch.Tensor | None],
     reference: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(out, lse, failed)` per query, without autograd: every weight of query q is
-    `exp(l - reference_q)`, so the sums of all its clusters add up directly, with no softmax
-    per cluster and no merge. Per visited cluster: one product for the logits minus the
-    reference (the reference enters as the product's bias), one in-place `exp`, one product
-    with the values, one row sum; then one sum per query over its clusters.
+    """`(out, lse, failed)` per query, for queries that need no gradient: every weight of
+    query q is `exp(l - reference_q)`, so the sums of all its clusters add up directly, with no
+    softmax per cluster and no merge. Per visited cluster: one product for the logits minus
+    the reference (the reference enters as the product's bias), one in-place `exp`, one
+    product with the values, one row sum; then one sum per query over its clusters. For the
+    dot product with few queries per visited cluster (a decode step's) a compiled loop does it
+    instead, with each query's largest logit so far as the reference
+    (`kernel.dot_product_sums`).
 
-    Exact as long as the reference is within the float range of the query's largest logit;
-    `failed` flags the queries whose sum overflowed or came out too small to keep the
-    precision of its largest term (below `tiny / eps`; queries that visit nothing have 0 and
-    are flagged too). Several heads' queries `qw` `(H * nq, d_w)` (rows `head * nq + query`)
-    go through one loop over all their visited clusters. How far the estimate's reference lies
-    from the largest visited logit, as measured: docs/library.md, "Cluster-tail attention"."""
-    geometry, n_rows = heads[0].geometry, qw.shape[0]
+    Exact as long as the reference is within the float range of the query's largest logit
+    (always, in the compiled loop); `failed` flags the queries whose sum overflowed or came out
+    too small to keep the precision of its largest term (below `tiny / eps`; queries that
+    visit nothing have 0 and are flagged too). Several heads' queries `qw` `(H * nq, d_w)`
+    (rows `head * nq + query`) go through one loop over all their visited clusters. How far
+    the estimate's reference lies from the largest visited logit, as measured:
+    docs/library.md, "Cluster-tail attention"."""
+    geometry = heads[0].geometry
+    if isinstance(geometry, DotProduct) and few_visitors(pair_query, heads):
+        queries, _ = block_scorer(geometry, qw)
+        out, weight, reference = dot_product_sums(
+            queries, heads, pair_query, pair_cluster, is_always
+        )
+    else:
+        out, weight = _cluster_product_sums(
+            qw, heads, pair_query, pair_cluster, is_always, reference
+        )
+    finfo = torch.finfo(weight.dtype)
+    # A sum of 0 is an underflow too, unless the query visited no key outside `is_always`
+    # (the general path then finds that out, at the cost of redoing the query).
+    failed = ~((weight >= finfo.tiny / finfo.eps) & torch.isfinite(weight))
+    out = out / torch.where(weight > 0, weight, 1).unsqueeze(-1)
+    return out, reference + weight.log(), failed
+
+
+def _cluster_product_sums(
+    qw: torch.Tensor,
+    heads: list[KeyClusters],
+    pair_query: torch.Tensor,
+    pair_cluster: torch.Tensor,
+    is_always: list[torch.Tensor | None],
+    reference: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_shared_reference_attention`'s sums `sum exp(l - reference) v` `(rows, dv)` and `sum
+    exp(l - reference)` `(rows,)` by matrix products: one per visited cluster against its keys
+    in place, for the queries that visit it (numpy's for the dot product)."""
+    n_rows = qw.shape[0]
     rows, runs = _runs_by_cluster(heads, n_rows // len(heads), pair_query, pair_cluster)
     has_always = _clusters_with_always(heads, is_always)
+    geometry = heads[0].geometry
     queries, score = block_scorer(geometry, qw)
     queries = queries.index_select(0, rows)
     bias = reference.neg()[rows].unsqueeze(-1)
@@ -194,15 +240,8 @@ def _shared_reference_attention(
             weights = weights.exp_()
             torch.mm(weights, clusters.values[keys], out=weighted_values[part])
             torch.sum(weights, dim=-1, out=weight_sums[part])
-    out = weighted_values.new_zeros(n_rows, value_dim)
-    out = _rows_added(out, rows, weighted_values)
-    weight = weight_sums.new_zeros(n_rows).index_add_(0, rows, weight_sums)
-    finfo = torch.finfo(weight.dtype)
-    # A sum of 0 is an underflow too, unless the query visited no key outside `is_always`
-    # (the general path then finds that out, at the cost of redoing the query).
-    failed = ~((weight >= finfo.tiny / finfo.eps) & torch.isfinite(weight))
-    out = out / torch.where(weight > 0, weight, 1).unsqueeze(-1)
-    return out, reference + weight.log(), failed
+    out = _rows_added(weighted_values.new_zeros(n_rows, value_dim), rows, weighted_values)
+    return out, weight_sums.new_zeros(n_rows).index_add_(0, rows, weight_sums)
 
 
 def _dot_product_sums(

@@ -13,14 +13,13 @@ bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`sh
 from __future__ import annotations
 
 import functools
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
 from ..clusters import ClusterHeads, KeyClusters
+from .threads import cpu_workers
 
 SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
 GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
@@ -122,18 +121,8 @@ def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tor
         if sum(b.nbytes for _, b in arrays) < PARALLEL_SHIFT_BYTES or len(arrays) == 1:
             found = [np.matmul(a, b) for a, b in arrays]
         else:
-            found = list(_cpu_workers().map(lambda pair: np.matmul(*pair), arrays))
+            found = list(cpu_workers().map(lambda pair: np.matmul(*pair), arrays))
     return [torch.from_numpy(product) for product in found]
-
-
-@functools.cache
-def _cpu_workers() -> ThreadPoolExecutor:
-    """Threads for numpy products that release the GIL, as many as PyTorch's CPU threads. A
-    forked child gets its own (the parent's threads do not exist in it)."""
-    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rewa-shift")
-
-
-os.register_at_fork(after_in_child=_cpu_workers.cache_clear)
 
 
 @functools.cache

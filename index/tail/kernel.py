@@ -1,0 +1,146 @@
+"""The exact part of tail attention for the dot product on the CPU, compiled by Numba: per head,
+one loop over the visited clusters that reads each cluster's keys and values once in place
+and adds every visiting query's exponentials straight into that query's sums, kept relative
+to the query's largest logit so far (an online softmax, exact whatever the logits' range).
+
+A decode step visits about a hundred clusters per layer, a few queries each. As a few numpy
+calls per cluster, the calls' own cost was a large part of the exact part, and the Python loop
+held the GIL, so the two cores could not share it. Compiled without the GIL, each head's loop
+runs as one call and the heads are spread over PyTorch's number of threads. With many queries
+per cluster a matrix product per cluster is faster (`few_visitors` decides; measured in
+docs/benchmark-notes.md, "The exact part compiled").
+
+Numba compiles the loop on the first call of each dtype and caches it on disk (its cache
+directory, `NUMBA_CACHE_DIR`)."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from ..clusters import KeyClusters
+from .threads import cpu_workers
+
+# The most (query, cluster) pairs per cluster on average for which the compiled loop runs;
+# with more queries per cluster (a prefill's), a matrix product per cluster shares each key
+# among them faster (docs/benchmark-notes.md, "The exact part compiled").
+MAX_VISITORS = 8
+
+
+def few_visitors(pair_query: torch.Tensor, heads: list[KeyClusters]) -> bool:
+    """Whether the pairs visit the heads' clusters `MAX_VISITORS` times or fewer on average
+    (over all their clusters, or as many as there are pairs): the compiled loop's case."""
+    n_pairs = pair_query.numel()
+    n_clusters = sum(clusters.n_clusters for clusters in heads)
+    return n_pairs <= MAX_VISITORS * min(n_pairs, n_clusters)
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def _head_sums(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    offsets: np.ndarray,
+    pair_query: np.ndarray,
+    pair_cluster: np.ndarray,
+    skipped: np.ndarray,
+    out: np.ndarray,
+    weight: np.ndarray,
+    peak: np.ndarray,
+) -> None:
+    """For every key k of every cluster c of each pair `(q, c)`, but the keys flagged `skipped`
+    (empty: none): adds `exp(l - peak[q]) v` to `out[q]` and `exp(l - peak[q])` to
+    `weight[q]`, `l = <q, k>`, where `peak[q]` is the largest logit so far (an online softmax:
+    a larger logit rescales the row's sums to itself, no exponential exceeds 1). A cluster's
+    keys are read once for all the queries that visit it (`fastmath` lets the dot products be
+    reordered into vector lanes, as BLAS orders them)."""
+    order = np.argsort(pair_cluster, kind="mergesort")
+    n_pairs, dim, value_dim = len(order), keys.shape[1], values.shape[1]
+    visiting = np.empty(n_pairs, np.int64)
+    exponentials = np.empty(n_pairs, out.dtype)
+    has_skipped = len(skipped) > 0
+    start = 0
+    while start < n_pairs:
+        cluster = pair_cluster[order[start]]
+        end = start + 1
+        while end < n_pairs and pair_cluster[order[end]] == cluster:
+            end += 1
+        m = end - start
+        for i in range(m):
+            visiting[i] = pair_query[order[start + i]]
+        for key in range(offsets[cluster], offsets[cluster + 1]):
+            if has_skipped and skipped[key]:
+                continue
+            for i in range(m):
+                row = visiting[i]
+                logit = queries[row, 0] * keys[key, 0]
+                for t in range(1, dim):
+                    logit += queries[row, t] * keys[key, t]
+                if logit > peak[row]:
+                    rescale = np.exp(peak[row] - logit)
+                    weight[row] *= rescale
+                    for t in range(value_dim):
+                        out[row, t] *= rescale
+                    peak[row] = logit
+                exponentials[i] = np.exp(logit - peak[row])
+                weight[row] += exponentials[i]
+            for i in range(m):
+                row, w = visiting[i], exponentials[i]
+                for t in range(value_dim):
+                    out[row, t] += w * values[key, t]
+        start = end
+
+
+def dot_product_sums(
+    queries: torch.Tensor,
+    heads: list[KeyClusters],
+    pair_query: torch.Tensor,
+    pair_cluster: torch.Tensor,
+    is_always: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the heads' queries `(H * nq, d)` (rows `head * nq + query`, scaled) and the pairs
+    `(row, cluster)` in ascending rows: per row its largest logit `peak` `(H * nq,)` (`-inf`
+    where it read no key) and the sums `sum exp(l - peak) v` `(H * nq, dv)` and `sum exp(l -
+    peak)` `(H * nq,)` over the keys of its visited clusters, but those flagged `is_always`
+    (read elsewhere): `(sums, weight, peak)`. No autograd; CPU float32 or float64 tensors."""
+    n_rows, n_heads = queries.shape[0], len(heads)
+    per_head = n_rows // n_heads
+    out = queries.new_zeros(n_rows, heads[0].values.shape[-1])
+    weight = queries.new_zeros(n_rows)
+    peak = queries.new_full((n_rows,), float("-inf"))
+    bounds = torch.arange(n_heads + 1) * per_head
+    bounds = torch.searchsorted(pair_query.contiguous(), bounds).tolist()
+    rows, clusters = pair_query.numpy(), pair_cluster.numpy()
+    calls = []
+    for head, keys in enumerate(heads):
+        first, last = bounds[head], bounds[head + 1]
+        if first == last:
+            continue
+        own = slice(head * per_head, (head + 1) * per_head)
+        flags = is_always[head]
+        calls.append((
+            queries[own].numpy(), keys.keys_w.numpy(), keys.values.numpy(), keys.offsets.numpy(),
+            rows[first:last] - head * per_head, clusters[first:last],
+            np.zeros(0, np.bool_) if flags is None else flags.numpy(),
+            out[own].numpy(), weight[own].numpy(), peak[own].numpy(),
+        ))  # fmt: skip
+    if len(calls) > 1 and torch.get_num_threads() > 1:
+        list(cpu_workers().map(lambda arguments: _head_sums(*arguments), calls))
+    else:
+        for arguments in calls:
+            _head_sums(*arguments)
+    return out, weight, peak
+
+
+def compile_ahead() -> None:
+    """Compiles the loop for float32 and float64 contexts now, into Numba's cache (the image
+    does it when it is built, so that a server's first decode step does not)."""
+    for dtype in (np.float32, np.float64):
+        keys, values = np.ones((2, 2), dtype), np.ones((2, 3), dtype)
+        pairs = np.zeros(1, np.int64)
+        out, weight = np.zeros((1, 3), dtype), np.zeros(1, dtype)
+        peak = np.full(1, -np.inf, dtype)
+        offsets = np.array([0, 2], np.int64)
+        for skipped in (np.zeros(0, np.bool_), np.zeros(2, np.bool_)):
+            _head_sums(keys[:1], keys, values, offsets, pairs, pairs, skipped, out, weight, peak)

@@ -1,0 +1,162 @@
+"""The compiled exact part of tail attention (`rewa.index.tail.kernel`): the same sums as the
+per-cluster matrix products, for several heads, with keys read elsewhere left out, exact where
+the logits' range overflows any fixed reference, in float32 and float64; and which calls take
+it."""
+
+import pytest
+import torch
+
+from rewa.attention import make_geometry
+from rewa.index import ClusterHeads, KeyClusters, tail_attention, tail_attention_heads
+from rewa.index.tail import exact as exact_module
+from rewa.index.tail import kernel
+from rewa.index.tail.exact import _cluster_product_sums
+
+HEADS, N_KEYS, DIM, VALUE_DIM, QUERIES = 3, 2000, 16, 6, 5
+
+
+def _clusters(dtype):
+    generator = torch.Generator().manual_seed(0)
+    geometry = make_geometry("dot", DIM).to(dtype)
+    keys = torch.randn(HEADS, N_KEYS, DIM, generator=generator, dtype=dtype)
+    values = torch.randn(HEADS, N_KEYS, VALUE_DIM, generator=generator, dtype=dtype)
+    with torch.no_grad():
+        clusters = [
+            KeyClusters.build(keys[h], values[h], geometry, max_cluster_keys=60 + 20 * h)
+            for h in range(HEADS)
+        ]
+    queries = torch.randn(HEADS * QUERIES, DIM, generator=generator, dtype=dtype)
+    return geometry, keys, values, clusters, queries
+
+
+def _pairs(clusters, seed=1):
+    """Random `(row, cluster)` pairs, rows `head * QUERIES + query` ascending, each row's
+    clusters distinct; query 0 of every head visits none."""
+    generator = torch.Generator().manual_seed(seed)
+    rows, columns = [], []
+    for head, head_clusters in enumerate(clusters):
+        for query in range(1, QUERIES):
+            chosen = torch.randperm(head_clusters.n_clusters, generator=generator)[:4]
+            rows.append(torch.full((len(chosen),), head * QUERIES + query))
+            columns.append(chosen.sort().values)
+    return torch.cat(rows), torch.cat(columns)
+
+
+def _reference_sums(queries, keys, values, clusters, pair_query, pair_cluster, is_always):
+    """Per row: the log-sum-exp and softmax-weighted value over its visited keys, in float64,
+    from the keys in their original order."""
+    lse = torch.full((len(queries),), float("-inf"), dtype=torch.float64)
+    out = torch.zeros(len(queries), VALUE_DIM, dtype=torch.float64)
+    for row in pair_query.unique().tolist():
+        head = row // QUERIES
+        head_clusters = clusters[head]
+        ids = []
+        for cluster in pair_cluster[pair_query == row].tolist():
+            begin, end = head_clusters.offsets[cluster], head_clusters.offsets[cluster + 1]
+            positions = torch.arange(int(begin), int(end))
+            if is_always[head] is not None:
+                positions = positions[~is_always[head][positions]]
+            ids.append(head_clusters.order[positions])
+        ids = torch.cat(ids)
+        logits = (queries[row].double() @ keys[head, ids].double().T) * DIM**-0.5
+        lse[row] = logits.logsumexp(0)
+        out[row] = logits.softmax(0) @ values[head, ids].double()
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("flagged", [False, True])
+def test_compiled_sums_equal_the_exact_attention_over_the_visited_keys(dtype, tolerance, flagged):
+    geometry, keys, values, clusters, queries = _clusters(dtype)
+    pair_query, pair_cluster = _pairs(clusters)
+    is_always = [None] * HEADS
+    if flagged:  # every third sorted position of heads 0 and 2 is read elsewhere
+        for head in (0, 2):
+            is_always[head] = torch.arange(N_KEYS) % 3 == 0
+    scaled = queries * geometry.scale
+    with torch.no_grad():
+        sums, weight, peak = kernel.dot_product_sums(
+            scaled, clusters, pair_query, pair_cluster, is_always
+        )
+    out, lse = _reference_sums(queries, keys, values, clusters, pair_query, pair_cluster, is_always)
+    visited = torch.isfinite(lse)
+    assert not visited[::QUERIES].any() and visited.sum() == HEADS * (QUERIES - 1)
+    # Rows that visit nothing: no sum, no peak.
+    assert (weight[~visited] == 0).all() and torch.isneginf(peak[~visited]).all()
+    found_lse = (peak + weight.log())[visited].double()
+    found_out = (sums / weight.unsqueeze(-1))[visited].double()
+    torch.testing.assert_close(found_lse, lse[visited], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(found_out, out[visited], rtol=tolerance, atol=tolerance)
+    # The per-cluster products give the same, from a reference near the largest logit.
+    with torch.no_grad():
+        products, totals = _cluster_product_sums(
+            queries, clusters, pair_query, pair_cluster, is_always, peak.nan_to_num(neginf=0.0)
+        )
+    torch.testing.assert_close(totals, weight, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(products, sums, rtol=tolerance, atol=tolerance)
+
+
+def test_logits_far_beyond_the_float_range_of_any_fixed_reference_stay_exact():
+    # Logits of +-10^4 in float32: exp of their differences overflows for any single reference
+    # taken before reading them; the running peak keeps every exponential at most 1.
+    geometry, keys, values, clusters, queries = _clusters(torch.float32)
+    pair_query, pair_cluster = _pairs(clusters, seed=3)
+    queries = queries * 2000.0
+    with torch.no_grad():
+        sums, weight, peak = kernel.dot_product_sums(
+            queries * geometry.scale, clusters, pair_query, pair_cluster, [None] * HEADS
+        )
+    out, lse = _reference_sums(
+        queries, keys, values, clusters, pair_query, pair_cluster, [None] * HEADS
+    )
+    visited = torch.isfinite(lse)
+    assert lse[visited].abs().max() > 1000
+    assert torch.isfinite(weight).all() and (weight[visited] >= 1).all()
+    torch.testing.assert_close(
+        (peak + weight.log())[visited].double(), lse[visited], rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(
+        (sums / weight.unsqueeze(-1))[visited].double(), out[visited], rtol=1e-4, atol=1e-4
+    )
+
+
+def test_few_visitors_picks_the_compiled_loop_for_decode_steps_only():
+    clusters = _clusters(torch.float64)[3]
+    n_clusters = sum(c.n_clusters for c in clusters)
+    few = torch.zeros(n_clusters * kernel.MAX_VISITORS, dtype=torch.long)
+    assert kernel.few_visitors(torch.zeros(3, dtype=torch.long), clusters)
+    assert kernel.few_visitors(few, clusters)
+    assert not kernel.few_visitors(torch.cat([few, few[:1]]), clusters)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tail_attention_gives_the_same_answers_through_either_loop(monkeypatch, threads):
+    """Many queries per head (the products' case) and forced through the compiled loop; with
+    one and two threads (the heads spread over the workers)."""
+    clusters = _clusters(torch.float64)[3]
+    generator = torch.Generator().manual_seed(5)
+    queries = torch.randn(HEADS, 300, DIM, generator=generator, dtype=torch.float64)
+    heads = ClusterHeads.stacked(clusters)
+    calls = []
+    compiled = kernel.dot_product_sums
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return compiled(*args)
+
+    monkeypatch.setattr(exact_module, "dot_product_sums", counted)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            by_products = tail_attention_heads(queries, heads, budget=0.1)
+            assert not calls
+            monkeypatch.setattr(kernel, "MAX_VISITORS", 10**9)
+            compiled_answer = tail_attention_heads(queries, heads, budget=0.1)
+            one_head = tail_attention(queries[1, :4], clusters[1], budget=0.1)
+    finally:
+        torch.set_num_threads(previous)
+    assert calls  # the compiled loop ran (over every head's rows, twice where outliers are apart)
+    for found, expected in zip(compiled_answer, by_products, strict=True):
+        torch.testing.assert_close(found, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(one_head[0], by_products[0][1, :4], rtol=1e-10, atol=1e-10)
