@@ -29,7 +29,7 @@ from rewa.index.tail.exact import (
     _shared_reference_attention,
     _visited_attention,
 )
-from rewa.index.tail.selection import _most_massive
+from rewa.index.tail.selection import MAX_ARGMAX_WIDTH, _most_massive
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
@@ -475,6 +475,10 @@ def test_the_most_massive_clusters_are_topks_in_its_order_even_when_finite_entri
     for width in (1, 7, 40):
         expected = log_mass.topk(width, dim=-1).indices
         assert torch.equal(_most_massive(log_mass, width), expected)
+    # Wider than MAX_ARGMAX_WIDTH: topk's answer (no ties in these draws).
+    wide = torch.randn(8, 400, generator=generator, dtype=dtype)
+    width = MAX_ARGMAX_WIDTH + 50
+    assert torch.equal(_most_massive(wide, width), wide.topk(width, dim=-1).indices)
     # Rows with fewer finite entries than the width: distinct columns, the finite ones first.
     sparse = log_mass.masked_fill(torch.rand(64, 40, generator=generator) < 0.8, float("-inf"))
     finite = torch.isfinite(sparse).sum(-1)

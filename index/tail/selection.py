@@ -12,6 +12,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+# The widest selection found by rounds of `argmax`; wider ones (contexts of about 500,000 keys
+# and more at 2 %) by `topk`, whose cost grows with the width more slowly
+# (docs/benchmark-notes.md, "Measurements behind code choices").
+MAX_ARGMAX_WIDTH = 96
+
 
 def select_clusters(
     log_mass: torch.Tensor,
@@ -70,11 +75,16 @@ def select_clusters(
 def _most_massive(log_mass: torch.Tensor, width: int) -> torch.Tensor:
     """The columns of the `width` largest entries of each row `(nq, width)`, largest first.
 
-    On the CPU, `width` rounds of numpy's `argmax` (ties: the lower column first), each
-    masking the entry it found with `-inf`, which costs less than `topk` for the few columns a
-    query reads (docs/benchmark-notes.md, "Measurements behind code choices"). A row whose
-    finite entries run out would get a masked column twice; then `topk` answers instead."""
-    if log_mass.device.type != "cpu" or log_mass.dtype not in (torch.float32, torch.float64):
+    On the CPU, up to `MAX_ARGMAX_WIDTH` columns, `width` rounds of numpy's `argmax` (ties: the
+    lower column first), each masking the entry it found with `-inf`, which costs less than
+    `topk` for the few columns a query reads (docs/benchmark-notes.md, "Measurements behind code
+    choices"). A row whose finite entries run out would get a masked column twice; then `topk`
+    answers instead."""
+    if (
+        log_mass.device.type != "cpu"
+        or log_mass.dtype not in (torch.float32, torch.float64)
+        or width > MAX_ARGMAX_WIDTH
+    ):
         return log_mass.topk(width, dim=-1).indices
     masses = log_mass.detach().numpy()
     remaining = masses.copy()
