@@ -15,7 +15,8 @@ directory, `NUMBA_CACHE_DIR`)."""
 
 from __future__ import annotations
 
-import numba
+import functools
+
 import numpy as np
 import torch
 
@@ -36,7 +37,6 @@ def few_visitors(pair_query: torch.Tensor, heads: list[KeyClusters]) -> bool:
     return n_pairs <= MAX_VISITORS * min(n_pairs, n_clusters)
 
 
-@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def _head_sums(
     queries: np.ndarray,
     keys: np.ndarray,
@@ -54,7 +54,7 @@ def _head_sums(
     `weight[q]`, `l = <q, k>`, where `peak[q]` is the largest logit so far (an online softmax:
     a larger logit rescales the row's sums to itself, no exponential exceeds 1). A cluster's
     keys are read once for all the queries that visit it (`fastmath` lets the dot products be
-    reordered into vector lanes, as BLAS orders them)."""
+    reordered into vector lanes, as BLAS orders them). Run compiled: `_compiled_head_sums`."""
     order = np.argsort(pair_cluster, kind="mergesort")
     n_pairs, dim, value_dim = len(order), keys.shape[1], values.shape[1]
     visiting = np.empty(n_pairs, np.int64)
@@ -92,6 +92,15 @@ def _head_sums(
         start = end
 
 
+@functools.cache
+def _compiled_head_sums():
+    """`_head_sums` compiled by Numba, without the GIL. Numba is imported here, on first use:
+    a process that never runs the loop does not pay for importing it."""
+    import numba
+
+    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(_head_sums)
+
+
 def dot_product_sums(
     queries: torch.Tensor,
     heads: list[KeyClusters],
@@ -125,11 +134,12 @@ def dot_product_sums(
             np.zeros(0, np.bool_) if flags is None else flags.numpy(),
             out[own].numpy(), weight[own].numpy(), peak[own].numpy(),
         ))  # fmt: skip
+    head_sums = _compiled_head_sums()
     if len(calls) > 1 and torch.get_num_threads() > 1:
-        list(cpu_workers().map(lambda arguments: _head_sums(*arguments), calls))
+        list(cpu_workers().map(lambda arguments: head_sums(*arguments), calls))
     else:
         for arguments in calls:
-            _head_sums(*arguments)
+            head_sums(*arguments)
     return out, weight, peak
 
 
@@ -143,4 +153,6 @@ def compile_ahead() -> None:
         peak = np.full(1, -np.inf, dtype)
         offsets = np.array([0, 2], np.int64)
         for skipped in (np.zeros(0, np.bool_), np.zeros(2, np.bool_)):
-            _head_sums(keys[:1], keys, values, offsets, pairs, pairs, skipped, out, weight, peak)
+            _compiled_head_sums()(
+                keys[:1], keys, values, offsets, pairs, pairs, skipped, out, weight, peak
+            )
