@@ -195,10 +195,11 @@ def test_the_value_shift_leaves_out_only_negligible_clusters(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtype):
-    """The shift's product gathers the kept clusters or reads all of them in place (the others
-    at weight 0), on one thread or spread over threads, in numpy or PyTorch (many rows, or
-    autograd): the same tail attention every way, for sharp queries (few clusters kept) and
-    diffuse ones (most kept), over two heads."""
+    """The shift runs compiled (a decode step's few queries) or as products that gather the
+    kept clusters or read all of them in place (the others at weight 0), on one thread or
+    spread over threads, in numpy or PyTorch (many rows, or autograd): the same tail attention
+    every way, for sharp queries (few clusters kept) and diffuse ones (most kept), over two
+    heads."""
     g = make_geometry("dot", 16).to(dtype)
     k, v, generator = _topics(8192)
     clusters = KeyClusters.build(k.to(dtype), v.to(dtype), g)
@@ -215,8 +216,10 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
     for n_queries, scale in ((1, 4.0), (8, 0.3)):  # a sharp decode step; diffuse queries
         q = _queries(k, generator, n_queries, scale=scale).to(dtype)
         q = torch.stack([q, q.flip(0)])
+        products_before = len(widths)
         with torch.no_grad():
             expected = tail_attention_heads(q, heads, budget=0.02)
+        assert len(widths) == products_before  # compiled: no products
         ways = [
             ("GATHER_SHARE", 0),
             ("GATHER_SHARE", 10**9),
@@ -225,6 +228,7 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
         ]
         for name, value in ways:
             with monkeypatch.context() as patch:
+                patch.setattr(unread_module, "COMPILED_SHIFT_ROWS", 0)
                 patch.setattr(unread_module, name, value)
                 with torch.no_grad():
                     out, lse = tail_attention_heads(q, heads, budget=0.02)

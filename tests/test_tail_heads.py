@@ -19,6 +19,7 @@ from rewa.index import (
 from rewa.index import tail as tail_module
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
+from rewa.index.tail import unread as unread_module
 from tests.support import build_geometry
 
 HEADS, N_KEYS, DIM, VALUE_DIM = 3, 1500, 8, 5
@@ -70,6 +71,38 @@ def test_heads_in_one_call_equal_one_call_per_head(name, options):
         torch.testing.assert_close(lse[h], per_head[h][1], rtol=1e-9, atol=1e-9)
     assert torch.equal(keys_read, torch.stack([result.keys_read for result in per_head]))
     assert (keys_read > 0).all()
+
+
+@pytest.mark.parametrize("name", ["dot", "product"])
+def test_the_compiled_value_shift_equals_the_products(monkeypatch, name):
+    """A decode step's few queries per head take the compiled value shift (every lift of a
+    product geometry, heads of different cluster counts); the numpy and PyTorch products give
+    the same answers, and so does the compiled shift on one thread."""
+    geometry = build_geometry(name, DIM)
+    queries, _, _, clusters = _heads(geometry)
+    assert queries.shape[1] <= unread_module.COMPILED_SHIFT_ROWS
+    heads = ClusterHeads.stacked(clusters)
+    compiled_calls, compiled = [], unread_module.value_shift_sums
+    monkeypatch.setattr(
+        unread_module, "value_shift_sums", lambda *a: compiled_calls.append(1) or compiled(*a)
+    )
+    with torch.no_grad():
+        expected = tail_attention_heads(queries, heads, budget=0.05)
+        assert compiled_calls
+        previous = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = tail_attention_heads(queries, heads, budget=0.05)
+        finally:
+            torch.set_num_threads(previous)
+        monkeypatch.setattr(unread_module, "COMPILED_SHIFT_ROWS", 0)
+        by_numpy = tail_attention_heads(queries, heads, budget=0.05)
+        monkeypatch.setattr(unread_module, "NUMPY_SHIFT_ROWS", 0)
+        by_torch = tail_attention_heads(queries, heads, budget=0.05)
+    assert len(compiled_calls) == 2
+    for found in (one_thread, by_numpy, by_torch):
+        torch.testing.assert_close(found[0], expected[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(found[1], expected[1], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", ["poincare", "dot"])

@@ -1,5 +1,7 @@
-"""The exact part of tail attention for the dot product on the CPU, compiled by Numba: per head,
-one loop over the visited clusters that reads each cluster's keys and values once in place
+"""Tail attention's loops for a decode step on the CPU, compiled by Numba.
+
+The exact part for the dot product (`dot_product_sums`): per head, one loop over the visited
+clusters that reads each cluster's keys and values once in place
 and adds every visiting query's exponentials straight into that query's sums, kept relative
 to the query's largest logit so far (an online softmax, exact whatever the logits' range).
 
@@ -10,7 +12,12 @@ runs as one call and the heads are spread over PyTorch's number of threads. With
 per cluster a matrix product per cluster is faster (`few_visitors` decides; measured in
 docs/benchmark-notes.md, "The exact part compiled").
 
-Numba compiles the loop on the first call of each dtype and caches it on disk (its cache
+The value shift of a few queries (`value_shift_sums`, any geometry): per head, one loop over
+the clusters whose shift is kept, reading each cluster's key-value cross-covariance once in
+place for all the queries, where matrix products would first gather the kept clusters' (a
+copy) and then read them again (docs/benchmark-notes.md, "The value shift compiled").
+
+Numba compiles each loop on the first call of each dtype and caches it on disk (its cache
 directory, `NUMBA_CACHE_DIR`)."""
 
 from __future__ import annotations
@@ -144,7 +151,7 @@ def dot_product_sums(
 
 
 def compile_ahead() -> None:
-    """Compiles the loop for float32 and float64 contexts now, into Numba's cache (the image
+    """Compiles the loops for float32 and float64 contexts now, into Numba's cache (the image
     does it when it is built, so that a server's first decode step does not)."""
     for dtype in (np.float32, np.float64):
         keys, values = np.ones((2, 2), dtype), np.ones((2, 3), dtype)
@@ -156,3 +163,78 @@ def compile_ahead() -> None:
             _compiled_head_sums()(
                 keys[:1], keys, values, offsets, pairs, pairs, skipped, out, weight, peak
             )
+        cross = np.ones((1, 2, 3), dtype)
+        _compiled_head_shift()(keys[:1], keys[:1], keys[:1], pairs, cross, 0, out)
+
+
+def _head_shift(
+    weights: np.ndarray,
+    slope: np.ndarray,
+    features: np.ndarray,
+    columns: np.ndarray,
+    cross: np.ndarray,
+    start: int,
+    out: np.ndarray,
+) -> None:
+    """Adds one lift's value shift `sum_c w_qc g_qc Cov_c(b_i, v)^T a_q` over the clusters
+    `columns` to `out[q]` `(nq, dv)`, for weights and slopes `(nq, nc)`, the lift's query
+    features `a` `(nq, D_i)` and the cross-covariances `(nc, D, dv)`, the lift's rows
+    `start : start + D_i`: each cluster's rows are read once, for all the queries. Run
+    compiled: `_compiled_head_shift`."""
+    n_queries, width, value_dim = features.shape[0], features.shape[1], cross.shape[2]
+    coefficient = np.empty(n_queries, out.dtype)
+    for cluster in columns:
+        for q in range(n_queries):
+            coefficient[q] = weights[q, cluster] * slope[q, cluster]
+        for i in range(width):
+            row = start + i
+            for q in range(n_queries):
+                scale = coefficient[q] * features[q, i]
+                if scale != 0:
+                    for t in range(value_dim):
+                        out[q, t] += scale * cross[cluster, row, t]
+
+
+@functools.cache
+def _compiled_head_shift():
+    """`_head_shift` compiled by Numba, without the GIL (imported on first use, as for
+    `_compiled_head_sums`)."""
+    import numba
+
+    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(_head_shift)
+
+
+def value_shift_sums(
+    heads: list[KeyClusters],
+    weights: torch.Tensor,
+    kept: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+    out: torch.Tensor,
+) -> None:
+    """Adds every head's value shift into `out` `(H, nq, dv)`: for the weights `(H, nq, C)` of
+    the heads' clusters, those `kept` `(H, C)`, and per lift the slopes `(H, nq, C)` and query
+    features `(H, nq, D_i)` (`estimate.ClusterEstimate.shift_terms`), `sum_c w_c sum_i g_ic
+    Cov_c(b_i, v)^T a_i` over the kept clusters. Each kept cluster's cross-covariance is read
+    once in place (not gathered), the heads spread over PyTorch's number of threads. No
+    autograd; CPU float32 or float64 tensors of one dtype."""
+    head_shift = _compiled_head_shift()
+    weights_np, kept_np = weights.numpy(), kept.numpy()
+    terms = [(slope.numpy(), features.numpy()) for slope, features in shift_terms]
+
+    def shift(head: int) -> None:
+        columns = np.flatnonzero(kept_np[head, : heads[head].n_clusters])
+        cross, start = heads[head].value_cross.numpy(), 0
+        for slope, features in terms:
+            # Contiguous rows (a lift's features are a slice of every lift's): one compiled
+            # version serves every call.
+            head_shift(
+                *(np.ascontiguousarray(t[head]) for t in (weights_np, slope, features)),
+                columns, cross, start, out[head].numpy(),
+            )  # fmt: skip
+            start += features.shape[-1]
+
+    if len(heads) > 1 and torch.get_num_threads() > 1:
+        list(cpu_workers().map(shift, range(len(heads))))
+    else:
+        for head in range(len(heads)):
+            shift(head)

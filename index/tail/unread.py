@@ -19,12 +19,17 @@ import torch
 from threadpoolctl import ThreadpoolController
 
 from ..clusters import ClusterHeads, KeyClusters
+from .kernel import value_shift_sums
 from .threads import cpu_workers
 
 SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
 GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
 PARALLEL_SHIFT_BYTES = 4 << 20  # cross-covariances read above which the shift uses every thread
 NUMPY_SHIFT_ROWS = 16  # the most query rows of a shift product that numpy computes
+# The most queries per head whose value shift runs compiled (`kernel.value_shift_sums`): a
+# decode step's; with more, the products are faster
+# (docs/benchmark-notes.md, "The value shift compiled").
+COMPILED_SHIFT_ROWS = 8
 
 
 def _tail_estimate(
@@ -41,7 +46,9 @@ def _tail_estimate(
     the ones left out hold at most that fraction of any query's mass between them. Sharp
     queries (a decode step) leave out most clusters, and the product reads each cluster's
     `D x dv` cross-covariance: per head, from its own `KeyClusters` (not stacked: the
-    cross-covariances are most of the statistics' memory)."""
+    cross-covariances are most of the statistics' memory). For a decode step's few queries a
+    compiled loop reads each kept cluster's cross-covariance once in place instead
+    (`_compiled_shift_applies`)."""
     peak = log_mass.amax(-1, keepdim=True)
     peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
     weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
@@ -52,6 +59,10 @@ def _tail_estimate(
     head_clusters = weights.new_tensor(heads.head_clusters).view(-1, 1, 1)
     floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / head_clusters)
     kept = (weights >= floor).any(1)  # (H, C)
+    if _compiled_shift_applies(weights, dtype, shift_terms):
+        value_shift_sums(heads.heads, weights, kept, shift_terms, out)
+        out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
+        return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
     products, features = [], []  # per head and lift: (weights, cross-covariances), a_i
     for head, clusters in enumerate(heads.heads):
         n = clusters.n_clusters
@@ -67,6 +78,22 @@ def _tail_estimate(
         out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
     out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
     return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def _compiled_shift_applies(
+    weights: torch.Tensor, dtype: torch.dtype, shift_terms: list[tuple[torch.Tensor, torch.Tensor]]
+) -> bool:
+    """Whether the value shift runs compiled (`kernel.value_shift_sums`): on the CPU, in the
+    context's float32 or float64 (`shift_dtype` keeps it), without autograd, for at most
+    `COMPILED_SHIFT_ROWS` queries per head (a decode step's)."""
+    tensors = [weights, *(t for term in shift_terms for t in term)]
+    return (
+        weights.device.type == "cpu"
+        and weights.dtype in (torch.float32, torch.float64)
+        and dtype == weights.dtype
+        and weights.shape[1] <= COMPILED_SHIFT_ROWS
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    )
 
 
 def _value_shift_products(
