@@ -50,6 +50,11 @@ def appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor
 # Keys of a context's open last segment: read exactly by every query until the segment fills,
 # then sealed into the indexes (docs/indexes.md, "The open segment").
 OPEN_SEGMENT = 2048
+# An attend that finds its index being built (the service) or extended (`LocalMemory`) reads
+# the keys no built index covers exactly, unless that is more query-key pairs than this (then
+# it waits for the build; what 2^26 pairs cost is in docs/indexes.md, "Builds in the
+# background").
+EXACT_WHILE_BUILDING = 1 << 26
 
 
 def sealed_keys(n_keys: int, segment: int = OPEN_SEGMENT) -> int:

@@ -15,10 +15,20 @@ As in the service, the index holds the tokens of the full segments of `open_segm
 merged with the index's answer (docs/mathematics.md 7, docs/indexes.md "The open segment"), and
 the index is extended when a segment fills. Extending costs time per cluster the new keys join,
 not per key (docs/indexes.md), so a decoding model that spills a few hundred tokens at a time
-pays it once per segment instead of once per spill. `open_segment=0` indexes every token."""
+pays it once per segment instead of once per spill. `open_segment=0` indexes every token.
+
+As in the service too, a tail memory extends its clusters on a build thread (one for every
+memory of the process), not in the attend that fills the segment: until the extension ends,
+attends read the clusters they had and every later token exactly, unless that is more than
+`exact_while_building` query-key pairs (then they wait; 0: always wait, so that answers never
+depend on when an extension ended). `wait_for_index` waits for it (docs/indexes.md, "Builds
+in the background"). The first index of a memory is built in the attend that needs it."""
 
 from __future__ import annotations
 
+import functools
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import torch
@@ -26,12 +36,22 @@ import torch
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
 from .clusters import ClusterHeads, KeyClusters
-from .growth import OPEN_SEGMENT, appended, sealed_keys
+from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
 
 MODES = ("tail", "topk", "exact")
 INITIAL_CAPACITY = 1024
+
+
+@functools.cache
+def _builder() -> ThreadPoolExecutor:
+    """The thread that extends every tail memory's clusters, one extension at a time. A forked
+    child gets its own (the parent's thread does not exist in it)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-memory-build")
+
+
+os.register_at_fork(after_in_child=_builder.cache_clear)
 
 
 class LocalMemory:
@@ -42,8 +62,9 @@ class LocalMemory:
     as it is). `mode`: `tail` (clusters read within `budget`, a fraction of the keys, and every
     other cluster estimated), `topk` (the `top_k` best keys of an `index` of that kind) or `exact`
     (dense attention). `open_segment`: the size of the segments the index takes whole; the
-    tokens of the last, open one are read exactly (module docstring). The memory holds float32
-    tensors on `device`."""
+    tokens of the last, open one are read exactly (module docstring). `exact_while_building`:
+    the most query-key pairs an attend reads exactly instead of waiting for a tail extension
+    under way (module docstring). The memory holds float32 tensors on `device`."""
 
     def __init__(
         self,
@@ -57,6 +78,7 @@ class LocalMemory:
         top_k: int = 64,
         index: str = "ivf",
         open_segment: int = OPEN_SEGMENT,
+        exact_while_building: int = EXACT_WHILE_BUILDING,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:
@@ -72,6 +94,10 @@ class LocalMemory:
             raise ValueError(
                 f"expected open_segment >= 0 (0: index every token), got {open_segment}"
             )
+        if exact_while_building < 0:
+            raise ValueError(
+                f"expected exact_while_building >= 0 query-key pairs, got {exact_while_building}"
+            )
         if isinstance(geometry, str):
             geometry = make_geometry(geometry, head_dim, **geometry_options)
         elif geometry_options:
@@ -83,7 +109,7 @@ class LocalMemory:
         self.device = torch.device(device)
         self.geometry = geometry.to(self.device)
         self.mode, self.budget, self.top_k, self.index_kind = mode, budget, top_k, index
-        self.open_segment = open_segment
+        self.open_segment, self.exact_while_building = open_segment, exact_while_building
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
             heads, INITIAL_CAPACITY, self.value_dim, device=self.device
@@ -92,6 +118,9 @@ class LocalMemory:
         self._indexes: list | None = None  # per head: KeyClusters (tail) or a search index
         self._cluster_heads: ClusterHeads | None = None  # tail: the heads' clusters, stacked
         self._indexed = 0  # tokens the indexes hold
+        # tail: the extension under way on the build thread, to how many tokens
+        self._extension: Future | None = None
+        self._extending_to = 0
 
     @property
     def n_tokens(self) -> int:
@@ -145,7 +174,7 @@ class LocalMemory:
         q = queries.detach().to(self.device, torch.float32)
         if self.mode == "exact":
             return dense_attention(q, self.keys, self.values, self.geometry)
-        indexes = self._current_indexes()
+        indexes = self._current_indexes(rows=q.shape[0] * q.shape[1])
         parts = []
         if self.mode == "tail" and indexes:
             parts.append(tail_attention_heads(q, self._cluster_heads, budget=self.budget))
@@ -163,8 +192,16 @@ class LocalMemory:
 
     __call__ = attend
 
+    def wait_for_index(self) -> None:
+        """Wait for the extension of the index under way, if any (its error, if it failed)."""
+        if self._extension is not None:
+            self._extension.exception()  # waits for it; `_take_extension` raises its error
+            self._take_extension()
+
     def close(self) -> None:
-        """Free the tensors and indexes (the memory is empty afterwards)."""
+        """Free the tensors and indexes (the memory is empty afterwards); an extension under way
+        finishes on the build thread and is dropped."""
+        self._extension, self._extending_to = None, 0
         self._key_buffer = self._key_buffer[:, :0]
         self._value_buffer = self._value_buffer[:, :0]
         self._n_tokens = self._indexed = 0
@@ -174,11 +211,15 @@ class LocalMemory:
         k, v = self._key_buffer[head, : self._indexed], self._value_buffer[head, : self._indexed]
         return retrieval_attention(q, k, v, self.geometry, top_k=self.top_k, index=index)
 
-    def _current_indexes(self) -> list:
+    def _current_indexes(self, rows: int = 0) -> list:
         """The mode's index of every head over the first `_indexed` tokens, the sealed ones
         (`sealed_keys`): built at the first attend that has any, then extended when a segment
-        fills; [] while none is sealed."""
+        fills (a tail memory's on the build thread; this index meanwhile, unless reading the
+        unindexed keys exactly costs more than `exact_while_building` pairs for `rows` query
+        rows: then it waits); [] while none is sealed."""
         sealed = sealed_keys(self._n_tokens, self.open_segment)
+        if self._extension is not None and self._extension.done():
+            self._take_extension()
         if sealed == 0 or (self._indexes is not None and sealed == self._indexed):
             return self._indexes or []
         witness = self.geometry.witness
@@ -189,26 +230,49 @@ class LocalMemory:
                     KeyClusters.build(witness(keys[h]), values[h], self.geometry)
                     for h in range(self.heads)
                 ]
+                self._cluster_heads = ClusterHeads.stacked(self._indexes)
             else:
                 self._indexes = [
                     build_index(keys[h], self.geometry, self.index_kind) for h in range(self.heads)
                 ]
+            self._indexed = sealed
         elif self.mode == "tail":
-            new = slice(self._indexed, sealed)
-            self._indexes = [
-                clusters.extend(witness(keys[h, new]), values[h, new])
-                for h, clusters in enumerate(self._indexes)
-            ]
+            if self._extension is None:
+                # The sealed keys are never written again (appends go after them), so the
+                # build thread reads them in place while the memory takes more tokens.
+                self._extension = _builder().submit(
+                    _extended, self._indexes, witness(keys[:, self._indexed :]),
+                    values[:, self._indexed :],
+                )  # fmt: skip
+                self._extending_to = sealed
+            if rows * (self._n_tokens - self._indexed) > self.exact_while_building:
+                self.wait_for_index()
+                return self._current_indexes(rows)
         else:
             for h, index in enumerate(self._indexes):
                 index.extend(witness(keys[h]))
-        if self.mode == "tail":
-            self._cluster_heads = ClusterHeads.stacked(self._indexes)
-        self._indexed = sealed
+            self._indexed = sealed
         return self._indexes
+
+    def _take_extension(self) -> None:
+        """The finished extension's clusters in place of the current ones (its error raised, and
+        forgotten, if it failed: the next attend starts it again)."""
+        extension, self._extension = self._extension, None
+        self._indexes, self._cluster_heads = extension.result()
+        self._indexed = self._extending_to
 
     def __repr__(self) -> str:
         return (
             f"LocalMemory(heads={self.heads}, head_dim={self.head_dim}, "
             f"value_dim={self.value_dim}, mode={self.mode!r}, n_tokens={self._n_tokens})"
         )
+
+
+def _extended(
+    clusters: list[KeyClusters], keys_w: torch.Tensor, values: torch.Tensor
+) -> tuple[list[KeyClusters], ClusterHeads]:
+    """On the build thread: every head's clusters extended by its new key witnesses `(heads,
+    m, d_w)` and values (new objects: the old ones keep answering), and the heads stacked."""
+    with torch.no_grad():
+        extended = [head.extend(keys_w[h], values[h]) for h, head in enumerate(clusters)]
+        return extended, ClusterHeads.stacked(extended)

@@ -8,13 +8,9 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from rewa.index.growth import OPEN_SEGMENT
+from rewa.index.growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT
 
 MIB = 1 << 20
-# An attend that finds its index being built reads the keys no built index covers exactly,
-# unless that is more query-key pairs than this (then it waits for the build; what 2^26 pairs
-# cost is in docs/indexes.md, "Builds in the background").
-EXACT_WHILE_BUILDING = 1 << 26
 
 
 class Settings(BaseSettings):

@@ -9,6 +9,8 @@ says something (docs/llm.md, "Accuracy")."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -16,6 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rewa.attention import dense_attention, make_geometry, merge_attention
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, LocalMemory, retrieval_attention
+from rewa.index import memory as index_memory
 from rewa.llm import (
     EncoderMemory,
     RemoteDocument,
@@ -128,7 +131,8 @@ def test_the_exact_part_is_masked_dense_attention_with_empty_rows_at_zero(n_keys
 def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_tokens(mode):
     keys, values, queries = _sequence(n=6000)
     geometry = make_geometry("dot", 16)
-    grown = LocalMemory(2, 16, mode=mode, open_segment=500)  # 6000 tokens: every one sealed
+    # Every attend waits for the extension it starts (exact_while_building=0).
+    grown = LocalMemory(2, 16, mode=mode, open_segment=500, exact_while_building=0)
     grown.append(keys[:, :2500], values[:, :2500])
     grown.attend(queries)  # builds the indexes over 2500 tokens
     for start in range(2500, 6000, 500):  # extended, and retrained at 4096
@@ -152,7 +156,7 @@ def test_a_local_memory_grown_by_appends_answers_as_one_built_over_all_its_token
 def test_the_open_segment_is_read_exactly_and_indexed_when_it_fills(mode):
     keys, values, queries = _sequence(n=5000)
     geometry = make_geometry("dot", 16)
-    memory = LocalMemory(2, 16, mode=mode, open_segment=1000)
+    memory = LocalMemory(2, 16, mode=mode, open_segment=1000, exact_while_building=0)
     memory.append(keys[:, :2500], values[:, :2500])
     memory.attend(queries)  # the index of the first 2000 tokens
     indexes = memory._indexes
@@ -181,6 +185,72 @@ def test_the_open_segment_is_read_exactly_and_indexed_when_it_fills(mode):
     torch.testing.assert_close((out, lse), every.attend(queries), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="open_segment"):
         LocalMemory(2, 16, open_segment=-1)
+
+
+def test_a_tail_memory_extends_its_clusters_on_the_build_thread():
+    """When a segment fills, the attend does not wait for the extension: it answers from the
+    clusters it had and reads every later token exactly; the extended clusters answer once the
+    extension ends, as a memory that indexed every token at once would; an extension that
+    fails is reported by the next attend, and the one after starts it again."""
+    keys, values, queries = _sequence(n=3000)
+    geometry = make_geometry("dot", 16)
+    memory = LocalMemory(2, 16, open_segment=1000)
+    memory.append(keys[:, :2000], values[:, :2000])
+    memory.attend(queries)  # the first clusters, built in the attend: 2000 tokens
+    indexes = memory._indexes
+    held = threading.Event()
+    blocker = index_memory._builder().submit(held.wait)  # the build thread busy
+    try:
+        memory.append(keys[:, 2000:3000], values[:, 2000:3000])  # the segment fills
+        out, lse = memory.attend(queries)
+        assert memory._indexes is indexes and memory._extension is not None
+        for head in range(2):
+            k, v = keys[head, :2000], values[head, :2000]
+            index = KeyClusters.build(geometry.witness(k), v, geometry)
+            indexed = retrieval_attention(queries[head], k, v, geometry, index=index, tail=True)
+            recent = dense_attention(
+                queries[head], keys[head, 2000:3000], values[head, 2000:3000], geometry
+            )
+            expected = merge_attention(indexed, recent)
+            torch.testing.assert_close(out[head], expected[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
+        # An attend of more query-key pairs than exact_while_building waits instead.
+        memory.exact_while_building = queries.shape[0] * queries.shape[1] * 1000 - 1
+        waiting = threading.Thread(target=memory.attend, args=(queries,))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive()  # waits for the held build thread
+    finally:
+        held.set()
+    blocker.result()
+    waiting.join(timeout=60)
+    memory.wait_for_index()
+    assert memory._extension is None and memory._indexed == 3000
+    every = LocalMemory(2, 16, open_segment=0)
+    every.append(keys, values)
+    torch.testing.assert_close(memory.attend(queries), every.attend(queries), rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_extension_is_reported_and_started_again(monkeypatch):
+    keys, values, queries = _sequence(n=3000)
+    memory = LocalMemory(2, 16, open_segment=1000, exact_while_building=0)
+    memory.append(keys[:, :2000], values[:, :2000])
+    memory.attend(queries)
+
+    def fails(*args):
+        raise RuntimeError("no memory left for the extension")
+
+    monkeypatch.setattr(index_memory, "_extended", fails)
+    memory.append(keys[:, 2000:], values[:, 2000:])
+    with pytest.raises(RuntimeError, match="no memory left"):
+        memory.attend(queries)
+    assert memory._indexed == 2000 and memory._extension is None
+    monkeypatch.undo()
+    out, lse = memory.attend(queries)  # started again, and waited for
+    assert memory._indexed == 3000
+    every = LocalMemory(2, 16, open_segment=0)
+    every.append(keys, values)
+    torch.testing.assert_close((out, lse), every.attend(queries), rtol=1e-5, atol=1e-5)
 
 
 def test_local_and_remote_memories_compute_the_same_attention(server):
