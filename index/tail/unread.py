@@ -61,8 +61,23 @@ def _tail_estimate(
     kept = (weights >= floor).any(1)  # (H, C)
     if _compiled_shift_applies(weights, dtype, shift_terms):
         value_shift_sums(heads.heads, weights, kept, shift_terms, out)
-        out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
-        return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+    else:
+        _add_value_shift(heads, weights, kept, shift_terms, dtype, out)
+    out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def _add_value_shift(
+    heads: ClusterHeads,
+    weights: torch.Tensor,
+    kept: torch.Tensor,
+    shift_terms: list[tuple[torch.Tensor, torch.Tensor]],
+    dtype: torch.dtype,
+    out: torch.Tensor,
+) -> None:
+    """Adds every head's value shift into `out` `(H, nq, dv)` by matrix products in `dtype`,
+    per head and lift (`_value_shift_products`, `_matrix_products`); the arguments are those
+    of `kernel.value_shift_sums`."""
     products, features = [], []  # per head and lift: (weights, cross-covariances), a_i
     for head, clusters in enumerate(heads.heads):
         n = clusters.n_clusters
@@ -76,8 +91,6 @@ def _tail_estimate(
         # sum_c w_c g_c Cov_c(b, v) per query, contracted with the query's features.
         summed = summed.view(len(a), a.shape[-1], -1).to(out.dtype)
         out[head].add_((a.unsqueeze(1) @ summed).squeeze(1))
-    out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
-    return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
 
 
 def _compiled_shift_applies(
