@@ -60,8 +60,8 @@ from rewa.index import (
     tail_attention_heads,
     window_and_sinks,
 )
+from rewa.index.growth import EXACT_WHILE_BUILDING
 
-from .settings import EXACT_WHILE_BUILDING
 from .store import ContextRecord, ContextStore, Segment, stored_heads
 from .wire import FLOAT_DTYPES
 

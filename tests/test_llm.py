@@ -216,7 +216,8 @@ def test_a_tail_memory_extends_its_clusters_on_the_build_thread():
             torch.testing.assert_close(lse[head], expected[1], rtol=1e-5, atol=1e-5)
         # An attend of more query-key pairs than exact_while_building waits instead.
         memory.exact_while_building = queries.shape[0] * queries.shape[1] * 1000 - 1
-        waiting = threading.Thread(target=memory.attend, args=(queries,))
+        answers = []
+        waiting = threading.Thread(target=lambda: answers.append(memory.attend(queries)))
         waiting.start()
         waiting.join(timeout=0.5)
         assert waiting.is_alive()  # waits for the held build thread
@@ -224,11 +225,13 @@ def test_a_tail_memory_extends_its_clusters_on_the_build_thread():
         held.set()
     blocker.result()
     waiting.join(timeout=60)
-    memory.wait_for_index()
+    assert not waiting.is_alive() and len(answers) == 1  # answered once the extension ended
     assert memory._extension is None and memory._indexed == 3000
     every = LocalMemory(2, 16, open_segment=0)
     every.append(keys, values)
-    torch.testing.assert_close(memory.attend(queries), every.attend(queries), rtol=1e-5, atol=1e-5)
+    expected = every.attend(queries)
+    torch.testing.assert_close(answers[0], expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(memory.attend(queries), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_extension_is_reported_and_started_again(monkeypatch):
