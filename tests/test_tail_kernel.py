@@ -3,6 +3,8 @@ per-cluster matrix products, for several heads, with keys read elsewhere left ou
 the logits' range overflows any fixed reference, in float32 and float64; and which calls take
 it."""
 
+import threading
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from rewa.index import ClusterHeads, KeyClusters, tail_attention, tail_attention
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import kernel
 from rewa.index.tail.exact import _cluster_product_sums
+from rewa.index.tail.threads import background_threads, cpu_workers, spread
 
 HEADS, N_KEYS, DIM, VALUE_DIM, QUERIES = 3, 2000, 16, 6, 5
 
@@ -188,3 +191,57 @@ def test_compile_ahead_fills_numbas_cache_with_both_loops(tmp_path):
     )
     subprocess.run([sys.executable, "-c", step], check=True, env=environment, timeout=300)
     assert sorted(path.name for path in tmp_path.rglob("*.nbc")) == cached
+
+
+def _spread(n_items: int, failing: int | None = None):
+    """The items `spread` ran, the threads it ran them on, and the error it raised."""
+    done, callers = [], set()
+
+    def work(item):
+        if item == failing:
+            raise RuntimeError(f"item {item} failed")
+        done.append(item)
+        callers.add(threading.get_ident())
+
+    try:
+        spread(work, range(n_items))
+    except RuntimeError as error:
+        return done, callers, error
+    return done, callers, None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_spread_runs_every_item_once_and_raises_a_shares_error(threads):
+    """`threads.spread` runs each item once however the items split into shares (more shares
+    than items too), the first share on the calling thread, and raises an error of any share
+    (the calling thread's or a worker's) once every share has ended."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n_items in (0, 1, 2, 5):
+            done, callers, error = _spread(n_items)
+            assert sorted(done) == list(range(n_items)) and error is None
+            assert threading.get_ident() in callers or n_items == 0
+        for failing in (0, 4):  # in the first share (this thread) and in the last
+            done, _, error = _spread(5, failing)
+            assert str(error) == f"item {failing} failed"
+            if threads > 1:  # the other share ran to its end
+                assert 4 - failing in done
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_background_threads_run_pytorch_on_one_thread_each():
+    """The threads of `background_threads` pools (tail's workers, `LocalMemory`'s build
+    thread) run PyTorch's CPU operations on one thread each, and the caller's setting stays as
+    it was (PyTorch's thread count is a setting per thread)."""
+    from rewa.index import memory as index_memory
+
+    before = torch.get_num_threads()
+    pool = background_threads(2, "rewa-test")
+    try:
+        for threads in (pool, cpu_workers(), index_memory._builder()):
+            assert threads.submit(torch.get_num_threads).result() == 1
+    finally:
+        pool.shutdown()
+    assert torch.get_num_threads() == before

@@ -23,12 +23,13 @@ directory, `NUMBA_CACHE_DIR`)."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..clusters import KeyClusters
-from .threads import cpu_workers
+from .threads import spread
 
 # The most (query, cluster) pairs per cluster on average for which the compiled loop runs;
 # with more queries per cluster (a prefill's), a matrix product per cluster shares each key
@@ -42,6 +43,16 @@ def few_visitors(pair_query: torch.Tensor, heads: list[KeyClusters]) -> bool:
     n_pairs = pair_query.numel()
     n_clusters = sum(clusters.n_clusters for clusters in heads)
     return n_pairs <= MAX_VISITORS * min(n_pairs, n_clusters)
+
+
+# How many rows ahead of the row it reads the exact part's loop asks for the rows of keys and
+# values (`prefetch_row`; docs/benchmark-notes.md, "Prefetching the rows of the exact part").
+PREFETCH_ROWS = 4
+
+
+def prefetch_row(array: np.ndarray, row: int) -> None:
+    """A hint that `array[row]` (2-d) will be read soon: compiled, a prefetch of each of its
+    cache lines (`prefetch.py`); in Python, nothing."""
 
 
 def _head_sums(
@@ -61,7 +72,7 @@ def _head_sums(
     `weight[q]`, `l = <q, k>`, where `peak[q]` is the largest logit so far (an online softmax:
     a larger logit rescales the row's sums to itself, no exponential exceeds 1). A cluster's
     keys are read once for all the queries that visit it (`fastmath` lets the dot products be
-    reordered into vector lanes, as BLAS orders them). Run compiled: `_compiled_head_sums`."""
+    reordered into vector lanes, as BLAS orders them). Run compiled: `_compiled`."""
     order = np.argsort(pair_cluster, kind="mergesort")
     n_pairs, dim, value_dim = len(order), keys.shape[1], values.shape[1]
     visiting = np.empty(n_pairs, np.int64)
@@ -76,7 +87,18 @@ def _head_sums(
         m = end - start
         for i in range(m):
             visiting[i] = pair_query[order[start + i]]
-        for key in range(offsets[cluster], offsets[cluster + 1]):
+        last = offsets[cluster + 1]
+        # The rows PREFETCH_ROWS ahead, in this cluster and then the next one visited.
+        following = pair_cluster[order[end]] if end < n_pairs else cluster
+        skip_to = offsets[following] - last if following != cluster else 0
+        stop = offsets[following + 1] if following != cluster else last
+        for key in range(offsets[cluster], last):
+            ahead = key + PREFETCH_ROWS
+            if ahead >= last:
+                ahead += skip_to
+            if ahead < stop:
+                prefetch_row(keys, ahead)
+                prefetch_row(values, ahead)
             if has_skipped and skipped[key]:
                 continue
             for i in range(m):
@@ -100,12 +122,15 @@ def _head_sums(
 
 
 @functools.cache
-def _compiled_head_sums():
-    """`_head_sums` compiled by Numba, without the GIL. Numba is imported here, on first use:
-    a process that never runs the loop does not pay for importing it."""
+def _compiled(loop: Callable) -> Callable:
+    """`loop` (`_head_sums`, `_head_shift`) compiled by Numba, without the GIL. Numba is
+    imported here, on first use: a process that never runs a loop does not pay for importing
+    it."""
     import numba
 
-    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(_head_sums)
+    from . import prefetch  # noqa: F401 (registers prefetch_row's compiled form)
+
+    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(loop)
 
 
 def dot_product_sums(
@@ -141,12 +166,8 @@ def dot_product_sums(
             np.zeros(0, np.bool_) if flags is None else flags.numpy(),
             out[own].numpy(), weight[own].numpy(), peak[own].numpy(),
         ))  # fmt: skip
-    head_sums = _compiled_head_sums()
-    if len(calls) > 1 and torch.get_num_threads() > 1:
-        list(cpu_workers().map(lambda arguments: head_sums(*arguments), calls))
-    else:
-        for arguments in calls:
-            head_sums(*arguments)
+    head_sums = _compiled(_head_sums)
+    spread(lambda arguments: head_sums(*arguments), calls)
     return out, weight, peak
 
 
@@ -160,11 +181,11 @@ def compile_ahead() -> None:
         peak = np.full(1, -np.inf, dtype)
         offsets = np.array([0, 2], np.int64)
         for skipped in (np.zeros(0, np.bool_), np.zeros(2, np.bool_)):
-            _compiled_head_sums()(
+            _compiled(_head_sums)(
                 keys[:1], keys, values, offsets, pairs, pairs, skipped, out, weight, peak
             )
         cross = np.ones((1, 2, 3), dtype)
-        _compiled_head_shift()(keys[:1], keys[:1], keys[:1], pairs, cross, 0, out)
+        _compiled(_head_shift)(keys[:1], keys[:1], keys[:1], pairs, cross, 0, out)
 
 
 def _head_shift(
@@ -180,7 +201,7 @@ def _head_shift(
     `columns` to `out[q]` `(nq, dv)`, for weights and slopes `(nq, nc)`, the lift's query
     features `a` `(nq, D_i)` and the cross-covariances `(nc, D, dv)`, the lift's rows
     `start : start + D_i`: each cluster's rows are read once, for all the queries. Run
-    compiled: `_compiled_head_shift`."""
+    compiled: `_compiled`."""
     n_queries, width, value_dim = features.shape[0], features.shape[1], cross.shape[2]
     coefficient = np.empty(n_queries, out.dtype)
     for cluster in columns:
@@ -193,15 +214,6 @@ def _head_shift(
                 if scale != 0:
                     for t in range(value_dim):
                         out[q, t] += scale * cross[cluster, row, t]
-
-
-@functools.cache
-def _compiled_head_shift():
-    """`_head_shift` compiled by Numba, without the GIL (imported on first use, as for
-    `_compiled_head_sums`)."""
-    import numba
-
-    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(_head_shift)
 
 
 def value_shift_sums(
@@ -217,7 +229,7 @@ def value_shift_sums(
     Cov_c(b_i, v)^T a_i` over the kept clusters. Each kept cluster's cross-covariance is read
     once in place (not gathered), the heads spread over PyTorch's number of threads. No
     autograd; CPU float32 or float64 tensors of one dtype."""
-    head_shift = _compiled_head_shift()
+    head_shift = _compiled(_head_shift)
     weights_np, kept_np = weights.numpy(), kept.numpy()
     terms = [(slope.numpy(), features.numpy()) for slope, features in shift_terms]
 
@@ -233,8 +245,4 @@ def value_shift_sums(
             )  # fmt: skip
             start += features.shape[-1]
 
-    if len(heads) > 1 and torch.get_num_threads() > 1:
-        list(cpu_workers().map(shift, range(len(heads))))
-    else:
-        for head in range(len(heads)):
-            shift(head)
+    spread(shift, range(len(heads)))

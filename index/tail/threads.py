@@ -1,20 +1,64 @@
-"""Threads for tail attention's work that runs outside PyTorch and releases the GIL (numpy's
-products, the compiled exact part)."""
+"""Threads besides the caller's: tail attention's workers for what runs outside PyTorch and
+releases the GIL (numpy's products, the compiled exact part), and `background_threads`, the
+pools of every thread that may run PyTorch's operations beside the one that computes (the
+build threads of `LocalMemory` and of the service's engine)."""
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
+
+
+def background_threads(workers: int, name: str) -> ThreadPoolExecutor:
+    """A pool of `workers` threads named `name` whose PyTorch CPU operations run on one thread
+    each (PyTorch's thread count is a setting per thread; the caller's is unchanged).
+
+    Under OpenMP, a thread that runs PyTorch's parallel operations gets a team of helper threads
+    of its own. A second team on the same cores made the helpers of both give up spinning and
+    sleep between operations, so that every small parallel operation of either thread paid a
+    wake-up; with one thread, a pool's thread makes no team (measured in docs/
+    benchmark-notes.md, "Two threads running PyTorch")."""
+    return ThreadPoolExecutor(
+        workers, thread_name_prefix=name, initializer=torch.set_num_threads, initargs=(1,)
+    )
 
 
 @functools.cache
 def cpu_workers() -> ThreadPoolExecutor:
-    """As many threads as PyTorch's CPU threads when first asked. A forked child gets its own
-    (the parent's threads do not exist in it)."""
-    return ThreadPoolExecutor(max(1, torch.get_num_threads()), thread_name_prefix="rewa-tail")
+    """As many threads as PyTorch's CPU threads when first asked (`background_threads`). A
+    forked child gets its own (the parent's threads do not exist in it)."""
+    return background_threads(max(1, torch.get_num_threads()), "rewa-tail")
 
 
 os.register_at_fork(after_in_child=cpu_workers.cache_clear)
+
+
+def spread(work: Callable[[T], object], items: Sequence[T]) -> None:
+    """`work(item)` for every item, the items split into as many contiguous shares as PyTorch
+    has CPU threads: the first share on the calling thread, each other one as one task of
+    `cpu_workers` (one hand-off per thread, not per item). `work` must release the GIL (a
+    compiled loop, numpy's products) for the shares to run at once. Raises the first error."""
+    threads = min(torch.get_num_threads(), len(items))
+    if threads <= 1:
+        for item in items:
+            work(item)
+        return
+    bounds = [len(items) * share // threads for share in range(threads + 1)]
+
+    def run(share: int) -> None:
+        for item in items[bounds[share] : bounds[share + 1]]:
+            work(item)
+
+    others = [cpu_workers().submit(run, share) for share in range(1, threads)]
+    try:
+        run(0)
+    finally:
+        for other in others:
+            other.result()
