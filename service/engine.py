@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
@@ -61,6 +61,7 @@ from rewa.index import (
     window_and_sinks,
 )
 from rewa.index.growth import EXACT_WHILE_BUILDING
+from rewa.index.tail.threads import background_threads
 
 from .store import ContextRecord, ContextStore, Segment, stored_heads
 from .wire import FLOAT_DTYPES
@@ -234,7 +235,7 @@ class Engine:
         self.metrics = metrics
         self._cache: OrderedDict[ContextKey, LoadedContext] = OrderedDict()
         self._lock = threading.Lock()
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-build")
+        self._builder = background_threads(1, "rewa-build")
 
     def close(self) -> None:
         """Stop the build thread (a build under way finishes; queued ones are dropped)."""
