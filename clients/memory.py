@@ -106,6 +106,14 @@ class RemoteMemory(nn.Module):
     def forward(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.attend(queries)
 
+    def wait_for_index(self) -> None:
+        """Wait until the service has built the index of this memory's mode over the latest
+        version (`Client.build_index`): attends that come before read the keys it does not
+        cover yet exactly, or wait (docs/indexes.md, "Builds in the background"). Nothing to
+        wait for in `exact` mode or while the context is empty."""
+        if self.mode != "exact" and self.n_tokens > 0:
+            self.client.build_index(self.context_id, [self.mode])
+
     def close(self) -> None:
         """Delete the context if this memory created it; otherwise leave it."""
         if self.owned:

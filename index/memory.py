@@ -39,6 +39,7 @@ from .clusters import ClusterHeads, KeyClusters
 from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
+from .tail.threads import background_threads
 
 MODES = ("tail", "topk", "exact")
 INITIAL_CAPACITY = 1024
@@ -48,7 +49,7 @@ INITIAL_CAPACITY = 1024
 def _builder() -> ThreadPoolExecutor:
     """The thread that extends every tail memory's clusters, one extension at a time. A forked
     child gets its own (the parent's thread does not exist in it)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="rewa-memory-build")
+    return background_threads(1, "rewa-memory-build")
 
 
 os.register_at_fork(after_in_child=_builder.cache_clear)
@@ -193,7 +194,16 @@ class LocalMemory:
     __call__ = attend
 
     def wait_for_index(self) -> None:
-        """Wait for the extension of the index under way, if any (its error, if it failed)."""
+        """Wait until the index holds every sealed token: for the extension under way, then
+        for the index of what was sealed meanwhile (built or extended now; its error, if it
+        fails). Nothing to wait for in `exact` mode."""
+        self._finish_extension()
+        if self.mode != "exact" and self._n_tokens > 0:
+            self._current_indexes()  # starts (tail) or makes (topk) what is missing
+            self._finish_extension()
+
+    def _finish_extension(self) -> None:
+        """Wait for the extension under way, if any, and take it (its error, if it failed)."""
         if self._extension is not None:
             self._extension.exception()  # waits for it; `_take_extension` raises its error
             self._take_extension()
@@ -246,7 +256,7 @@ class LocalMemory:
                 )  # fmt: skip
                 self._extending_to = sealed
             if rows * (self._n_tokens - self._indexed) > self.exact_while_building:
-                self.wait_for_index()
+                self._finish_extension()
                 return self._current_indexes(rows)
         else:
             for h, index in enumerate(self._indexes):

@@ -63,6 +63,8 @@ class AttentionMemory(Protocol):
 
     def attend(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def wait_for_index(self) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -167,6 +169,12 @@ class MemoryLayer(DynamicLayer):
         )
         self.n_spilled += count
 
+    def wait_for_index(self) -> None:
+        """Wait until the memory has indexed what it holds (`wait_for_index` of the memory;
+        nothing while none was made)."""
+        if self.memory is not None:
+            self.memory.wait_for_index()
+
     def close(self) -> None:
         """Free the memory (a remote one it created is deleted) and forget every token."""
         if self.memory is not None:
@@ -236,6 +244,13 @@ class RewaCache(Cache):
     @property
     def memory_layers(self) -> list[MemoryLayer]:
         return [layer for layer in self.layers if isinstance(layer, MemoryLayer)]
+
+    def wait_for_index(self) -> None:
+        """Wait until every layer's memory has indexed what it holds: after a long prompt, so
+        that the decode steps that follow read indexes, not the keys still being indexed
+        (docs/llm.md, "Waiting for the index")."""
+        for layer in self.memory_layers:
+            layer.wait_for_index()
 
     def close(self) -> None:
         for layer in self.memory_layers:

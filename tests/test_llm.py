@@ -19,6 +19,7 @@ from rewa.attention import dense_attention, make_geometry, merge_attention
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, LocalMemory, retrieval_attention
 from rewa.index import memory as index_memory
+from rewa.index.growth import sealed_keys
 from rewa.llm import (
     EncoderMemory,
     RemoteDocument,
@@ -254,6 +255,51 @@ def test_a_failed_extension_is_reported_and_started_again(monkeypatch):
     every = LocalMemory(2, 16, open_segment=0)
     every.append(keys, values)
     torch.testing.assert_close((out, lse), every.attend(queries), rtol=1e-5, atol=1e-5)
+
+
+def test_a_remote_memory_waits_for_the_services_index(server):
+    """`wait_for_index` returns once the service has built the mode's index of the latest
+    version (the commit's build runs in the background): the index state then has it built,
+    nothing building, every sealed token indexed."""
+    keys, values, _ = _sequence(heads=4, n=60000)
+    with Client(server.url) as client:
+        memory = RemoteMemory.create(client, 4, 16, mode="tail")
+        try:
+            memory.wait_for_index()  # empty: nothing to wait for
+            memory.append(keys, values)
+            memory.wait_for_index()
+            state = client.index_state(memory.context_id)
+            assert "tail" in state["built"] and not state["building"]
+            assert state["sealed_tokens"] == sealed_keys(60000)
+        finally:
+            memory.close()
+        exact = RemoteMemory.create(client, 4, 16, mode="exact")
+        exact.append(keys[:, :100], values[:, :100])
+        exact.wait_for_index()  # no index in exact mode: returns at once
+        exact.close()
+
+
+def test_a_cache_waits_for_the_index_of_every_layer(models, tokens):
+    """`RewaCache.wait_for_index` waits for each layer's memory: with the build thread held
+    busy the prompt leaves an extension queued in every layer, and the wait returns once each
+    has ended, every sealed token indexed."""
+    held = threading.Event()
+    blocker = index_memory._builder().submit(held.wait)
+    release = threading.Timer(0.5, held.set)
+    try:
+        with RewaCache(models[1].config, local_memories(mode="tail", open_segment=512)) as cache:
+            _logits_with(models[1], tokens, cache)
+            memories = [layer.memory for layer in cache.memory_layers]
+            assert all(memory._extension is not None for memory in memories)
+            release.start()
+            cache.wait_for_index()
+            for memory in memories:
+                assert memory._extension is None
+                assert memory._indexed == sealed_keys(memory.n_tokens, 512)
+    finally:
+        held.set()
+        release.cancel()
+    blocker.result()
 
 
 def test_local_and_remote_memories_compute_the_same_attention(server):
