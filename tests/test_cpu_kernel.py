@@ -107,7 +107,10 @@ def test_near_pairs_are_recomputed_in_compiled_tiles(compile_small_calls, monkey
     """Self-attention over identical queries and keys: every diagonal pair is at distance 0,
     where the Gram expansion is all rounding error. The compiled tiles find those pairs from
     the row minima they compute and recompute them, as the uncompiled ones do; the float64
-    attention is the reference."""
+    attention is the reference. Pairs beyond the screen keep the Gram expansion's relative
+    accuracy of about 1e-4 (`numerics.NEAR_TOLERANCE`), whose rounding depends on the order in
+    which the CPU's matrix product sums (out within 1.5e-5 of the reference on an AVX2 CPU,
+    1.3e-4 on one with AVX-512 and AMX); the diagonal pairs unrefined are off by far more."""
     g = build_geometry("product", 8, heads=3).float()
     q, _, v = inputs(torch.float32, nq=150)
     q = q * 3  # far from the origin, where the expansion's rounding error is large
@@ -120,8 +123,9 @@ def test_near_pairs_are_recomputed_in_compiled_tiles(compile_small_calls, monkey
     for got, expected in zip(compiled, uncompiled, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for got, expected in zip(compiled, reference, strict=True):
-        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
-    assert (unrefined[1].double() - reference[1]).abs().max() > 1e-3  # what is recomputed
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-3)
+    for got, expected in zip(unrefined, reference, strict=True):  # what is recomputed
+        assert (got.double() - expected).abs().max() > 0.1
 
 
 def test_a_failed_compilation_warns_once_and_every_call_is_answered(
