@@ -29,7 +29,7 @@ from rewa.attention import Geometry, Lift
 
 from .candidates import best_candidates
 from .growth import retrains, trained_prefix
-from .option_checks import check_int, check_optional_bool
+from .option_checks import check_fraction, check_int, check_optional_bool
 
 try:
     import faiss
@@ -85,6 +85,10 @@ class IndexSettings:
     hnsw_m, ef_search: HNSW graph degree and search breadth.
     bands: for a geometry without an exact lift (cone), how many bands of similar height are
         indexed and searched separately (`BandedIndex`); unused otherwise.
+    probe_mass: the IVF block paths (`ivf_blocks`) read a query's probed lists by estimated
+        attention mass and leave unread the least massive lists that together hold less than
+        this fraction of it; 0 reads every probed list (docs/indexes.md, "Lists read by their
+        estimated mass").
     """
 
     kind: IndexKind = "ivf"
@@ -95,6 +99,7 @@ class IndexSettings:
     hnsw_m: int = 32
     ef_search: int = 128
     bands: int = 8
+    probe_mass: float = 1e-4
 
     def __post_init__(self) -> None:
         """Every value checked (ValueError naming the field): FAISS must never see a value it
@@ -109,6 +114,7 @@ class IndexSettings:
         check_int("hnsw_m", self.hnsw_m, 2, 256)
         check_int("ef_search", self.ef_search, 1, 65536)
         check_int("bands", self.bands, 1, 1024)
+        check_fraction("probe_mass", self.probe_mass)
 
 
 class LiftIndex:
@@ -230,12 +236,6 @@ class LiftIndex:
         if device not in self._lists:
             self._lists[device] = [ids.to(device) for ids in self._lists[torch.device("cpu")]]
         return self._lists[device]
-
-    def probe(self, queries: torch.Tensor) -> torch.Tensor:
-        """The `nprobe` IVF lists each query visits, `(nq, nprobe)`, on the queries' device."""
-        ivf = faiss.extract_index_ivf(self.index)
-        _, cells = ivf.quantizer.search(self._queries(queries), ivf.nprobe)
-        return torch.from_numpy(cells).long().to(queries.device)
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(D, I)` of shape `(nq, k)` on the queries' device: L2 distances ascending or inner

@@ -12,9 +12,19 @@ matrix products and one exponential per score, more of the attention mass than t
 same lists, and less time (docs/indexes.md, "Every probed key or the best K"); it is
 `retrieval_attention`'s default. These are the paths `retrieval_attention` takes for a
 single-lift geometry indexed with IVF.
+
+Which lists a query reads is decided from tail attention's estimate over each list's feature
+moments (`list_moments`, `probes_by_mass`; docs/indexes.md, "Lists read by their estimated
+mass"): it probes the `nprobe` lists of largest estimated weight per key and reads them, most
+massive first, until those left hold less than `IndexSettings.probe_mass` of their estimated
+total. Concentrated attention then reads one or two lists, diffuse attention all `nprobe`.
+Causal calls read every probed list (a list's moments count keys after the query's position).
 """
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +32,12 @@ from rewa.attention import Geometry, merge_attention
 from rewa.attention.sparse import softmax_attend
 
 from .block_scoring import block_scorer
-from .faiss_index import GeometryIndex
+from .clusters import key_features, query_features
+from .faiss_index import GeometryIndex, LiftIndex, faiss
+from .tail.estimate import log_mean_weight
+
+ESTIMATE_BLOCK = 8192  # queries whose probed lists are estimated at once
+SHORTLIST = 2  # lists estimated per probed list, picked by their keys' mean similarity
 
 
 def supports_ivf_blocks(index: object) -> bool:
@@ -35,12 +50,139 @@ def supports_ivf_blocks(index: object) -> bool:
     )
 
 
-def _probe_pairs(index: GeometryIndex, queries_w: torch.Tensor):
-    """Lists, probes `(nq, nprobe)`, and the (query, probe) pairs grouped by list."""
+@dataclass
+class ListMoments:
+    """The feature moments of each IVF list's keys (`clusters.key_features`, the features in
+    which a lift similarity is affine): `counts (nlist,)`, `mean (nlist, D)`, the per-feature
+    `variance (nlist, D)` and `radius (nlist,)`, the largest `|b - mean|` in the list;
+    `nonempty`, the lists that hold keys."""
+
+    counts: torch.Tensor
+    mean: torch.Tensor
+    variance: torch.Tensor
+    radius: torch.Tensor
+    nonempty: torch.Tensor
+    _search: faiss.Index | None = field(default=None, repr=False)
+
+    def search_index(self) -> faiss.Index:
+        """A flat inner-product FAISS index over the non-empty lists' mean features (ids are
+        positions in `nonempty`), made on first use."""
+        if self._search is None:
+            means = self.mean[self.nonempty].detach().to("cpu", torch.float32).contiguous()
+            self._search = faiss.IndexFlatIP(means.shape[-1])
+            self._search.add(means.numpy())
+        return self._search
+
+
+_moments: weakref.WeakKeyDictionary[LiftIndex, tuple[int, ListMoments]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@torch.no_grad()
+def list_moments(index: GeometryIndex) -> ListMoments:
+    """The `ListMoments` of a single-lift IVF index, computed once per set of indexed keys (an
+    `extend` changes the part's key count; `add` makes new parts)."""
     part = index.parts[0]
-    lists = part.lists(queries_w.device)
-    (query_lift,) = index.geometry.lift(queries_w, "query")
-    probes = part.probe(query_lift.vectors)
+    cached = _moments.get(part)
+    if cached is not None and cached[0] == part.ntotal:
+        return cached[1]
+    lists = part.lists(index.keys.device)
+    (lift,) = index.geometry.lift(index.keys.detach(), "key")
+    features = key_features([lift])
+    counts = torch.tensor([len(ids) for ids in lists], device=features.device)
+    label = torch.repeat_interleave(torch.arange(len(lists), device=features.device), counts)
+    features = features[torch.cat(lists)]
+    size = counts.clamp_min(1).to(features.dtype).unsqueeze(-1)
+    mean = features.new_zeros(len(lists), features.shape[-1]).index_add_(0, label, features) / size
+    centred = features - mean[label]
+    variance = torch.zeros_like(mean).index_add_(0, label, centred.square()) / size
+    radius = mean.new_zeros(len(lists)).scatter_reduce_(
+        0, label, centred.norm(dim=-1), "amax", include_self=False
+    )
+    nonempty = torch.nonzero(counts).squeeze(-1)
+    moments = ListMoments(counts.to(features.dtype), mean, variance, radius, nonempty)
+    _moments[part] = (part.ntotal, moments)
+    return moments
+
+
+def prepare_list_moments(index: object) -> None:
+    """Compute an index's `list_moments` now where the block paths will read them (a
+    `supports_ivf_blocks` index), so that a build thread pays for them, not the first attend."""
+    if supports_ivf_blocks(index):
+        list_moments(index)
+
+
+def shortlist(moments: ListMoments, a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` non-empty lists whose keys' mean features have the largest inner product with
+    each query's feature block `a`: `(products, lists)`, both `(nq, k)`. FAISS's flat search
+    where the queries are on the CPU (a matrix product and a heap, faster there than
+    `torch.topk` over every list), torch's top k on another device."""
+    if a.device.type == "cpu":
+        return shortlist_faiss(moments, a, k)
+    return shortlist_torch(moments, a, k)
+
+
+def shortlist_faiss(moments: ListMoments, a: torch.Tensor, k: int):
+    """`shortlist` by FAISS (float32 search, products returned in `a`'s dtype, on the CPU)."""
+    queries = a.detach().to("cpu", torch.float32).contiguous().numpy()
+    products, found = moments.search_index().search(queries, k)
+    found = moments.nonempty[torch.from_numpy(found).to(moments.nonempty.device)]
+    return torch.from_numpy(products).to(a.device, a.dtype), found
+
+
+def shortlist_torch(moments: ListMoments, a: torch.Tensor, k: int):
+    """`shortlist` by torch, on `a`'s device."""
+    products, found = (a @ moments.mean[moments.nonempty].T).topk(k)
+    return products, moments.nonempty[found]
+
+
+@torch.no_grad()
+def probes_by_mass(
+    index: GeometryIndex, queries_w: torch.Tensor, nprobe: int, tolerance: float
+) -> torch.Tensor:
+    """The lists each query reads, `(nq, nprobe)` most massive first, -1 where it reads fewer.
+    From the lists' moments (`list_moments`): the `SHORTLIST` x `nprobe` lists whose keys have
+    the largest mean similarity to the query (`shortlist`; a logit grows with the
+    similarity), of those the `nprobe` of largest estimated mean weight per key
+    (`tail.estimate.log_mean_weight`, which counts the keys' spread) are probed, ranked by
+    estimated mass (mean weight times keys), and the least massive are left unread while
+    together they hold less than `tolerance` of the probed lists' estimated mass (the most
+    massive is always read; `tolerance` 0 reads all `nprobe`)."""
+    moments = list_moments(index)
+    log_counts = moments.counts.clamp_min(1).log()
+    shortlisted = min(SHORTLIST * nprobe, len(moments.nonempty))
+    nprobe = min(nprobe, shortlisted)
+    probes = []
+    for start in range(0, queries_w.shape[0], ESTIMATE_BLOCK):
+        block = queries_w[start : start + ESTIMATE_BLOCK].detach()
+        features = query_features(index.geometry.lift(block, "query"))
+        a = features.a
+        mean, candidates = shortlist(moments, a, shortlisted)
+        mean = mean.add_(features.c[:, :1])
+        # a matrix product over every list and a gather: faster than gathering the shortlist's
+        # variances per query
+        variance = (a.square() @ moments.variance.T).gather(-1, candidates)
+        half_width = a.norm(dim=-1, keepdim=True) * moments.radius[candidates]
+        log_weight = log_mean_weight(index.geometry, block, mean, variance, half_width)
+        _, probed = log_weight.topk(nprobe)
+        log_mass = log_weight.add_(log_counts[candidates]).gather(-1, probed)
+        ranked, order = log_mass.sort(descending=True)
+        lists = candidates.gather(-1, probed.gather(-1, order))
+        if tolerance > 0:
+            weights = torch.softmax(ranked, dim=-1).nan_to_num_(0.0)
+            unread = weights.cumsum(-1).sub_(weights) >= 1 - tolerance
+            lists = lists.masked_fill_(unread, -1)
+        probes.append(lists)
+    return torch.cat(probes)
+
+
+def _probe_pairs(index: GeometryIndex, queries_w: torch.Tensor, causal: bool = False):
+    """Lists, the lists each query reads `(nq, nprobe)` (-1: none; `probes_by_mass`, all
+    `nprobe` where `causal`), and the (query, probe) pairs grouped by list."""
+    lists = index.parts[0].lists(queries_w.device)
+    tolerance = 0.0 if causal else index.settings.probe_mass
+    probes = probes_by_mass(index, queries_w, index.settings.nprobe, tolerance)
     pair_cell = probes.flatten()
     pair_order = pair_cell.argsort(stable=True)
     cells = torch.arange(len(lists) + 1, device=pair_cell.device)
@@ -61,7 +203,7 @@ def ivf_block_attention(
     `keys_w` are the key witnesses to score (default: the indexed ones, which carry no
     gradient); pass witnesses computed under autograd for gradients to the keys."""
     geometry: Geometry = index.geometry
-    lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
+    lists, probes, pair_order, bounds = _probe_pairs(index, queries_w, positions is not None)
     n_queries, nprobe = probes.shape
     keys_w = index.keys if keys_w is None else keys_w
     if not _needs_grad(queries_w, keys_w, values, *geometry.parameters()):
@@ -162,7 +304,7 @@ def ivf_block_topk(
     excluded (causal); `keys_w` as in `ivf_block_attention`."""
     geometry: Geometry = index.geometry
     keys_w = index.keys if keys_w is None else keys_w
-    lists, probes, pair_order, bounds = _probe_pairs(index, queries_w)
+    lists, probes, pair_order, bounds = _probe_pairs(index, queries_w, positions is not None)
     n_queries, nprobe = probes.shape
     # Each list's block fills the consecutive rows of its pairs (pairs in list order), so every
     # write is a slice; one gather at the end puts each query's nprobe rows side by side.
@@ -200,9 +342,10 @@ def ivf_block_topk(
 
 def probed_keys(index: GeometryIndex, queries_w: torch.Tensor) -> torch.Tensor:
     """Every key of the lists each query probes, `(nq, C)` padded with -1 (for measuring the
-    candidate set of `ivf_block_attention`)."""
+    candidate set of `ivf_block_attention`, not causal)."""
     lists, probes, _, _ = _probe_pairs(index, queries_w)
-    rows = [torch.cat([lists[c] for c in row.tolist()]) for row in probes]
+    empty = lists[0].new_empty(0)
+    rows = [torch.cat([empty] + [lists[c] for c in row.tolist() if c >= 0]) for row in probes]
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), -1, dtype=torch.long, device=queries_w.device)
     for i, r in enumerate(rows):

@@ -26,6 +26,13 @@ def check_positive(name: str, value: object, high: float = 1e12) -> float:
     return float(value)
 
 
+def check_fraction(name: str, value: object) -> float:
+    """`value` as a float in `[0, 1)`."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+        raise ValueError(f"{name}: expected a number in [0, 1), got {value!r}")
+    return float(value)
+
+
 def check_optional_bool(name: str, value: object) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(f"{name}: expected true, false or null, got {value!r}")

@@ -61,6 +61,7 @@ from rewa.index import (
     window_and_sinks,
 )
 from rewa.index.growth import EXACT_WHILE_BUILDING
+from rewa.index.ivf_blocks import prepare_list_moments
 from rewa.index.tail.threads import background_threads
 
 from .store import ContextRecord, ContextStore, Segment, stored_heads
@@ -517,6 +518,7 @@ class Engine:
                 spec["kind"], **options,
             )  # fmt: skip
             copy.extend(witness(loaded.keys[head, : loaded.sealed]))
+            prepare_list_moments(copy)
             extended.append(copy)
         return extended
 
@@ -557,11 +559,12 @@ class Engine:
             keys = loaded.keys[head, :sealed]
             blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
             if blob is not None:
-                indexes.append(index_from_bytes(blob, keys, loaded.geometry, kind, **options))
-                continue
-            index = build_index(keys, loaded.geometry, kind, **options)
-            if self.store_indexes:
-                self.store.put_blob(namespace, context_id, name, index_to_bytes(index))
+                index = index_from_bytes(blob, keys, loaded.geometry, kind, **options)
+            else:
+                index = build_index(keys, loaded.geometry, kind, **options)
+                if self.store_indexes:
+                    self.store.put_blob(namespace, context_id, name, index_to_bytes(index))
+            prepare_list_moments(index)
             indexes.append(index)
         return indexes
 

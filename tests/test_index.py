@@ -325,7 +325,7 @@ def test_ivf_blocks_over_every_list_are_exact(name, causal, top_k):
     g = build_geometry(name, 8)
     x = torch.randn(300, 8, dtype=torch.float64) * 0.5
     v = torch.randn(300, 3, dtype=torch.float64)
-    index = build_index(x, g, "ivf", nlist=5, nprobe=5)
+    index = build_index(x, g, "ivf", nlist=5, nprobe=5, probe_mass=0.0)
     out, lse = retrieval_attention(x, x, v, g, top_k=None, index=index, causal=causal)
     allowed = torch.ones(300, 300, dtype=torch.bool).tril() if causal else None
     expected_out, expected_lse = dense_attention(x, x, v, g, mask=allowed)
@@ -361,6 +361,88 @@ def test_ivf_block_attention_reads_only_probed_lists():
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-4, atol=1e-4)
     assert (rows >= 0).sum(-1).float().mean() < 4096 / 4  # 2 of 16 lists, unequal in size
+
+
+def test_list_moments_are_each_lists_feature_moments_and_follow_an_extend():
+    from rewa.index.clusters import key_features
+    from rewa.index.ivf_blocks import list_moments
+
+    g = build_geometry("poincare", 8)  # an L2 lift: features (x, |x|^2)
+    x = torch.randn(6000, 8, dtype=torch.float64) * 0.3
+    index = build_index(x[:5000], g, "ivf", nlist=6)  # both sizes train on the first 4096
+    for n in (5000, 6000):
+        moments = list_moments(index)
+        features = key_features(g.lift(g.witness(x[:n]), "key"))
+        lists = index.parts[0].lists()
+        assert sum(len(ids) for ids in lists) == n
+        for c, ids in enumerate(lists):
+            rows = features[ids]
+            assert moments.counts[c] == len(ids)
+            torch.testing.assert_close(moments.mean[c], rows.mean(0))
+            torch.testing.assert_close(moments.variance[c], rows.var(0, unbiased=False))
+            expected_radius = (rows - rows.mean(0)).norm(dim=-1).max()
+            torch.testing.assert_close(moments.radius[c], expected_radius)
+        index.extend(g.witness(x))  # the same parts, with 1000 more keys
+
+
+def test_the_shortlist_is_the_lists_of_largest_mean_product_by_faiss_and_by_torch():
+    """FAISS's search (the CPU path) and torch's top k (other devices) shortlist the same
+    non-empty lists with the same products, the exact ones of the lists' mean features."""
+    from rewa.index.clusters import query_features
+    from rewa.index.ivf_blocks import list_moments, shortlist_faiss, shortlist_torch
+
+    g = build_geometry("poincare", 8)
+    x = torch.randn(3000, 8) * 0.3
+    index = build_index(x, g, "ivf", nlist=40)
+    moments = list_moments(index)
+    moments.counts[3] = 0  # a list without keys is never shortlisted
+    moments.nonempty = torch.nonzero(moments.counts).squeeze(-1)
+    a = query_features(g.lift(g.witness(torch.randn(200, 8) * 0.3), "query")).a
+    by_faiss, by_torch = shortlist_faiss(moments, a, 12), shortlist_torch(moments, a, 12)
+    expected = (a @ moments.mean.T).index_fill_(-1, torch.tensor([3]), -torch.inf).topk(12)
+    for products, lists in (by_faiss, by_torch):
+        torch.testing.assert_close(products, expected.values, rtol=1e-5, atol=1e-5)
+        assert (lists.sort(-1).values == expected.indices.sort(-1).values).all()
+
+
+def reads_and_answers(data, g, queries, **options):
+    """The lists each query reads and the attention through them."""
+    from rewa.index.ivf_blocks import _probe_pairs
+
+    index = build_index(data.k, g, "ivf", **options)
+    with torch.no_grad():
+        _, reading, _, _ = _probe_pairs(index, g.witness(queries))
+        out, lse = retrieval_attention(queries, data.k, data.v, g, index=index)
+    return (reading >= 0).sum(-1), out, lse
+
+
+def test_concentrated_attention_reads_fewer_lists_with_the_answer_of_all_probed():
+    """Queries whose attention sits in one cluster of keys read one or two of their 8 probed
+    lists, and attend as if they had read all 8 (what is left unread holds less than
+    `probe_mass` of the estimated mass); queries with diffuse attention read all 8."""
+    data = clustered(16384)
+    g = data.geometry()
+    sharp, diffuse = data.q[:256], data.q[256:512] * 0.02
+    for queries, fewest, most in ((sharp, 1, 2), (diffuse, 8, 8)):
+        reads, out, lse = reads_and_answers(data, g, queries)
+        every, all_out, all_lse = reads_and_answers(data, g, queries, probe_mass=0.0)
+        assert (every == 8).all()
+        assert fewest <= reads.float().mean() <= most and (reads >= 1).all()
+        torch.testing.assert_close(lse, all_lse, rtol=0, atol=2e-4)
+        assert output_error(out, all_out).max() < 1e-3
+
+
+def test_causal_block_attention_reads_every_probed_list():
+    from rewa.index.ivf_blocks import _probe_pairs
+
+    data = clustered(8192)
+    g = data.geometry()
+    index = build_index(data.k, g, "ivf")
+    qw = g.witness(data.q[:128])
+    _, causal, _, _ = _probe_pairs(index, qw, causal=True)
+    _, reading, _, _ = _probe_pairs(index, qw)
+    assert (causal >= 0).all() and (reading < 0).any()
+    assert (causal[:, 0] == reading[:, 0]).all()  # the same most massive list
 
 
 @pytest.mark.parametrize("name", ["dot", "poincare"])
@@ -459,7 +541,8 @@ def test_inner_product_search_returns_inner_products(kind):
 @pytest.mark.parametrize(
     ("option", "value"),
     [("nlist", 0), ("nprobe", -1), ("hnsw_m", 0), ("ef_search", 0), ("bands", 0), ("nlist", "8"),
-     ("nprobe", 8.0), ("hnsw_m", True), ("ip_as_l2", 1), ("train_points_per_list", 0)],
+     ("nprobe", 8.0), ("hnsw_m", True), ("ip_as_l2", 1), ("train_points_per_list", 0),
+     ("probe_mass", -0.1), ("probe_mass", 1.0), ("probe_mass", float("nan")), ("probe_mass", "0")],
 )  # fmt: skip
 def test_index_settings_name_the_bad_value(option, value):
     with pytest.raises(ValueError, match=option):

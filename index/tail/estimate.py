@@ -146,6 +146,22 @@ def _estimate_heads(
     return ClusterEstimate(total, floor, list(zip(slopes, blocks, strict=True)))
 
 
+def log_mean_weight(
+    geometry: Geometry,
+    queries_w: torch.Tensor,
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    half_width: torch.Tensor,
+) -> torch.Tensor:
+    """`log (1/n sum_j exp(logit_j))` over a set of n keys, for a single-lift geometry, from
+    each query's similarity moments to the set, `(nq, m)` each: mean, variance and the half
+    width its radius allows (module docstring: closed form for the dot product, Gauss-Hermite
+    otherwise). Adding `log n` gives the set's estimated log-mass."""
+    if isinstance(geometry, DotProduct):
+        return _dot_product_estimate(geometry.scale, mean, variance, half_width)[0][0]
+    return _hermite_estimate(geometry, queries_w, [(mean, variance, half_width)])[0][0]
+
+
 def _dot_product_estimate(
     scale: float, mean: torch.Tensor, variance: torch.Tensor, half_width: torch.Tensor
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
