@@ -9,6 +9,7 @@ Records `{"max_queue_wait_s", "clients", "accepted", "refused", "queue_p50_ms",
 "compute_p50_ms"}` in `benchmarks/results/admission.json`, and a PNG of every request's latency.
 
     .venv/bin/python benchmarks/admission.py
+    .venv/bin/python benchmarks/admission.py --clients 3 --tokens 2048 --out /tmp/admission
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ HEADS, DIM, TOKENS, ROWS = 2, 16, 16384, 4096
 UNBOUNDED_S = 1e9
 
 
-def make_context(url: str) -> str:
+def make_context(url: str, tokens: int) -> str:
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(HEADS, TOKENS, DIM, generator=generator) * 0.1
-    values = torch.randn(HEADS, TOKENS, DIM, generator=generator)
+    keys = torch.randn(HEADS, tokens, DIM, generator=generator) * 0.1
+    values = torch.randn(HEADS, tokens, DIM, generator=generator)
     with httpx.Client(base_url=url, timeout=600) as client:
         context = client.post(
             "/v1/contexts",
@@ -48,7 +49,7 @@ def make_context(url: str) -> str:
         upload = client.post(f"/v1/contexts/{context}/uploads").json()["upload_id"]
         client.post(
             f"/v1/contexts/{context}/uploads/{upload}/chunks",
-            params={"tokens": TOKENS},
+            params={"tokens": tokens},
             content=keys.numpy().tobytes() + values.numpy().tobytes(),
             headers={"Content-Type": "application/octet-stream"},
         ).raise_for_status()
@@ -56,12 +57,12 @@ def make_context(url: str) -> str:
         # Warm-up: the first exact call pays one-time costs.
         client.post(
             f"/v1/contexts/{context}/self-attention",
-            json={"start": 0, "end": ROWS, "mode": "exact"},
+            json={"start": 0, "end": min(ROWS, tokens), "mode": "exact"},
         ).raise_for_status()
     return context
 
 
-def burst(url: str, context: str, clients: int) -> list[dict]:
+def burst(url: str, context: str, clients: int, rows: int) -> list[dict]:
     results: list[dict] = []
     lock = threading.Lock()
     go = threading.Event()
@@ -72,7 +73,7 @@ def burst(url: str, context: str, clients: int) -> list[dict]:
             started = time.perf_counter()
             response = session.post(
                 f"/v1/contexts/{context}/self-attention",
-                json={"start": 0, "end": ROWS, "mode": "exact"},
+                json={"start": 0, "end": rows, "mode": "exact"},
             )
             latency = time.perf_counter() - started
         timing = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers.get("Server-Timing", "")))
@@ -142,6 +143,7 @@ def plot(records: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=TOKENS, help="context length")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     records = []
@@ -156,9 +158,9 @@ def main() -> None:
                 },
             )
             try:
-                context = make_context(url)
-                records.append(summary(burst(url, context, args.clients), max_queue_wait_s,
-                                       args.clients))  # fmt: skip
+                context = make_context(url, args.tokens)
+                results = burst(url, context, args.clients, min(ROWS, args.tokens))
+                records.append(summary(results, max_queue_wait_s, args.clients))
                 print(json.dumps({k: v for k, v in records[-1].items() if k != "latencies_ms"}))
             finally:
                 stop_server(process)

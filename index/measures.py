@@ -44,10 +44,12 @@ def mass_recall(
     dense_lse: torch.Tensor,
 ) -> torch.Tensor:
     """`sum_{j in C_i} A_ij` per query, A the exact dense attention, from the candidates'
-    exact logits and the dense log-partition `dense_lse (nq,)`."""
+    exact logits and the dense log-partition `dense_lse (nq,)`. Each key's witness is
+    computed once and gathered per query (a witness is a map of each key on its own)."""
     with torch.no_grad():
         valid = candidates >= 0
-        logits = geometry.logits_at(q, k[candidates.clamp_min(0)])
+        keys_w = geometry.witness(k)[candidates.clamp_min(0)]
+        logits = geometry.score_at(geometry.witness(q), keys_w)
         weights = torch.exp(logits - dense_lse.unsqueeze(-1)).masked_fill(~valid, 0.0)
         return weights.sum(-1)
 

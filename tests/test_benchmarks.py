@@ -164,7 +164,7 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
 
 
 def test_admission_benchmark_writes_records_and_a_plot(tmp_path):
-    records = run_benchmark("admission", tmp_path, "--clients", "3")
+    records = run_benchmark("admission", tmp_path, "--clients", "3", "--tokens", "2048")
     assert [r["max_queue_wait_s"] for r in records] == [5.0, None]
     for record in records:
         assert record["clients"] == 3 and record["accepted"] + record["refused"] == 3
