@@ -54,15 +54,18 @@ def supports_ivf_blocks(index: object) -> bool:
 class ListMoments:
     """The feature moments of each IVF list's keys (`clusters.key_features`, the features in
     which a lift similarity is affine): `counts (nlist,)`, `mean (nlist, D)`, the per-feature
-    `variance (nlist, D)` and `radius (nlist,)`, the largest `|b - mean|` in the list;
-    `nonempty`, the lists that hold keys."""
+    `variance (nlist, D)` and `radius (nlist,)`, the largest `|b - mean|` in the list."""
 
     counts: torch.Tensor
     mean: torch.Tensor
     variance: torch.Tensor
     radius: torch.Tensor
-    nonempty: torch.Tensor
     _search: faiss.Index | None = field(default=None, repr=False)
+
+    @property
+    def nonempty(self) -> torch.Tensor:
+        """The lists that hold keys, ascending."""
+        return torch.nonzero(self.counts).squeeze(-1)
 
     def search_index(self) -> faiss.Index:
         """A flat inner-product FAISS index over the non-empty lists' mean features (ids are
@@ -100,8 +103,7 @@ def list_moments(index: GeometryIndex) -> ListMoments:
     radius = mean.new_zeros(len(lists)).scatter_reduce_(
         0, label, centred.norm(dim=-1), "amax", include_self=False
     )
-    nonempty = torch.nonzero(counts).squeeze(-1)
-    moments = ListMoments(counts.to(features.dtype), mean, variance, radius, nonempty)
+    moments = ListMoments(counts.to(features.dtype), mean, variance, radius)
     _moments[part] = (part.ntotal, moments)
     return moments
 
@@ -127,14 +129,16 @@ def shortlist_faiss(moments: ListMoments, a: torch.Tensor, k: int):
     """`shortlist` by FAISS (float32 search, products returned in `a`'s dtype, on the CPU)."""
     queries = a.detach().to("cpu", torch.float32).contiguous().numpy()
     products, found = moments.search_index().search(queries, k)
-    found = moments.nonempty[torch.from_numpy(found).to(moments.nonempty.device)]
+    nonempty = moments.nonempty
+    found = nonempty[torch.from_numpy(found).to(nonempty.device)]
     return torch.from_numpy(products).to(a.device, a.dtype), found
 
 
 def shortlist_torch(moments: ListMoments, a: torch.Tensor, k: int):
     """`shortlist` by torch, on `a`'s device."""
-    products, found = (a @ moments.mean[moments.nonempty].T).topk(k)
-    return products, moments.nonempty[found]
+    nonempty = moments.nonempty
+    products, found = (a @ moments.mean[nonempty].T).topk(k)
+    return products, nonempty[found]
 
 
 @torch.no_grad()

@@ -396,7 +396,6 @@ def test_the_shortlist_is_the_lists_of_largest_mean_product_by_faiss_and_by_torc
     index = build_index(x, g, "ivf", nlist=40)
     moments = list_moments(index)
     moments.counts[3] = 0  # a list without keys is never shortlisted
-    moments.nonempty = torch.nonzero(moments.counts).squeeze(-1)
     a = query_features(g.lift(g.witness(torch.randn(200, 8) * 0.3), "query")).a
     by_faiss, by_torch = shortlist_faiss(moments, a, 12), shortlist_torch(moments, a, 12)
     expected = (a @ moments.mean.T).index_fill_(-1, torch.tensor([3]), -torch.inf).topk(12)
