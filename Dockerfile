@@ -50,7 +50,7 @@ ENV NUMBA_CACHE_DIR=/opt/rewa/.numba-cache
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
     && .venv/bin/python -m compileall -q attention index service clients llm research \
-    && .venv/bin/python -c "from rewa.index.tail.kernel import compile_ahead; compile_ahead()"
+    && .venv/bin/python -c "from rewa.index.tail.decode import compile_ahead; compile_ahead()"
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
 # is set.

@@ -66,7 +66,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -465,6 +465,9 @@ class ClusterHeads:
     radius: torch.Tensor  # (H, C, P)
     value_mean: torch.Tensor  # (H, C, dv)
     exact_read: torch.Tensor  # (H, C) bool
+    # What a module derives from these clusters once and keeps with them, by the module's name
+    # (the compiled decode step's arrays: index/tail/decode.py).
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     # Not the value cross-covariances, most of the statistics' memory: the value shift reads
     # them per head from `heads`.

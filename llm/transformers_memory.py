@@ -43,6 +43,7 @@ from transformers.masking_utils import (
 from rewa.attention import merge_attention
 from rewa.clients import RemoteMemory
 from rewa.index import LocalMemory
+from rewa.index.growth import appended
 
 from .exact import exact_part
 
@@ -93,15 +94,36 @@ class MemoryLayer(DynamicLayer):
         self.memory: AttentionMemory | None = None
         self.n_seen = 0
         self.n_spilled = 0
+        # The local tokens are the first `n_local` of buffers with spare capacity (`keys` and
+        # `values` are views of them), so that a decode step's token is written once, not the
+        # whole window copied into a new tensor as `DynamicLayer.update` does.
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._n_local = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if key_states.shape[0] != 1:
             raise ValueError(
                 f"rewa memory holds one sequence: batch size 1, got {key_states.shape[0]}"
             )
-        keys, values = super().update(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._key_buffer = key_states.new_empty(key_states.shape[1], 0, key_states.shape[3])
+            self._value_buffer = value_states.new_empty(
+                value_states.shape[1], 0, value_states.shape[3]
+            )
+            self._n_local = 0
+        self._key_buffer = appended(self._key_buffer, self._n_local, key_states[0])
+        self._value_buffer = appended(self._value_buffer, self._n_local, value_states[0])
+        self._set_local(self._n_local + key_states.shape[-2])
         self.n_seen += key_states.shape[-2]
-        return keys, values
+        return self.keys, self.values
+
+    def _set_local(self, n_local: int) -> None:
+        """The first `n_local` rows of the buffers as `keys` and `values`."""
+        self._n_local = n_local
+        self.keys = self._key_buffer[:, :n_local].unsqueeze(0)
+        self.values = self._value_buffer[:, :n_local].unsqueeze(0)
 
     def get_seq_length(self) -> int:
         return self.n_seen
@@ -142,6 +164,9 @@ class MemoryLayer(DynamicLayer):
 
     def _local_attention(self, grouped, positions, end, scaling):
         """Exact causal attention of grouped queries over the local keys before `end`."""
+        if int(positions[0]) >= self.n_seen - 1:
+            # The newest token's queries (a decode step) see every local key: no mask.
+            return exact_part(grouped, self.keys[0], self.values[0], scaling)
         key_positions = self.local_positions()
         visible = int((key_positions < end).sum())
         seen = key_positions[:visible].unsqueeze(0) <= positions.unsqueeze(1)
@@ -162,11 +187,13 @@ class MemoryLayer(DynamicLayer):
                 self.layer_idx, kv_heads, head_dim, value_dim, scaling
             )
         moved = slice(self.sinks, self.sinks + count)
-        self.memory.append(self.keys[0, :, moved], self.values[0, :, moved])
-        self.keys = torch.cat([self.keys[:, :, : self.sinks], self.keys[:, :, moved.stop :]], 2)
-        self.values = torch.cat(
-            [self.values[:, :, : self.sinks], self.values[:, :, moved.stop :]], 2
-        )
+        # Copies: a memory may keep what it is given (a document stages it), and the buffers'
+        # rows are written again below.
+        self.memory.append(self.keys[0, :, moved].clone(), self.values[0, :, moved].clone())
+        kept = self._n_local - moved.stop
+        self._key_buffer = _without(self._key_buffer, moved, self._n_local, self.spill)
+        self._value_buffer = _without(self._value_buffer, moved, self._n_local, self.spill)
+        self._set_local(self.sinks + kept)
         self.n_spilled += count
 
     def wait_for_index(self) -> None:
@@ -181,8 +208,9 @@ class MemoryLayer(DynamicLayer):
             self.memory.close()
         self.memory = None
         self.keys = self.values = None
+        self._key_buffer = self._value_buffer = None
         self.is_initialized = False
-        self.n_seen = self.n_spilled = 0
+        self.n_seen = self.n_spilled = self._n_local = 0
 
     def reset(self) -> None:
         self.close()
@@ -198,6 +226,21 @@ class MemoryLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise ValueError("rewa memory holds one sequence: batch size 1")
+
+
+def _without(buffer: torch.Tensor, moved: slice, used: int, spare: int) -> torch.Tensor:
+    """`buffer` `(heads, capacity, d)` with its rows `moved` taken out of its first `used`: the
+    rows after them moved down (a copy first: the two ranges overlap), in place, or into a
+    buffer of `spare` rows to spare where `buffer` is more than twice that size (after a long
+    prompt, which passed through it whole)."""
+    rows = used - (moved.stop - moved.start)
+    if buffer.shape[1] > 2 * (rows + spare):
+        smaller = buffer.new_empty(buffer.shape[0], rows + spare, buffer.shape[2])
+        smaller[:, : moved.start] = buffer[:, : moved.start]
+        smaller[:, moved.start : rows] = buffer[:, moved.stop : used]
+        return smaller
+    buffer[:, moved.start : rows] = buffer[:, moved.stop : used].clone()
+    return buffer
 
 
 class RewaCache(Cache):

@@ -22,6 +22,7 @@ from rewa.index import (
 from rewa.index import tail as tail_module
 from rewa.index.clusters import _nearest, _points, default_cluster_keys
 from rewa.index.tail import ClusterEstimate, calibrated, estimate_clusters
+from rewa.index.tail import decode as decode_module
 from rewa.index.tail import unread as unread_module
 
 
@@ -199,7 +200,8 @@ def test_every_way_of_reading_the_value_shift_gives_one_answer(monkeypatch, dtyp
     kept clusters or read all of them in place (the others at weight 0), on one thread or
     spread over threads, in numpy or PyTorch (many rows, or autograd): the same tail attention
     every way, for sharp queries (few clusters kept) and diffuse ones (most kept), over two
-    heads."""
+    heads. (Through the batched stages: the compiled decode step is tests/test_tail_decode.py's.)"""
+    monkeypatch.setattr(decode_module, "COMPILED_STEP_ROWS", 0)
     g = make_geometry("dot", 16).to(dtype)
     k, v, generator = _topics(8192)
     clusters = KeyClusters.build(k.to(dtype), v.to(dtype), g)

@@ -17,6 +17,7 @@ from rewa.index import (
     tail_attention_with_reads,
 )
 from rewa.index import tail as tail_module
+from rewa.index.tail import decode as decode_module
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
 from rewa.index.tail import unread as unread_module
@@ -77,7 +78,9 @@ def test_heads_in_one_call_equal_one_call_per_head(name, options):
 def test_the_compiled_value_shift_equals_the_products(monkeypatch, name):
     """A decode step's few queries per head take the compiled value shift (every lift of a
     product geometry, heads of different cluster counts); the numpy and PyTorch products give
-    the same answers, and so does the compiled shift on one thread."""
+    the same answers, and so does the compiled shift on one thread (the batched stages: the
+    compiled decode step, which takes the dot product's, is tests/test_tail_decode.py's)."""
+    monkeypatch.setattr(decode_module, "COMPILED_STEP_ROWS", 0)
     geometry = build_geometry(name, DIM)
     queries, _, _, clusters = _heads(geometry)
     assert queries.shape[1] <= unread_module.COMPILED_SHIFT_ROWS

@@ -165,22 +165,22 @@ def test_tail_attention_gives_the_same_answers_through_either_loop(monkeypatch, 
     torch.testing.assert_close(one_head[0], by_products[0][1, :4], rtol=1e-10, atol=1e-10)
 
 
-def test_compile_ahead_fills_numbas_cache_with_both_loops(tmp_path):
-    """What the image runs when it is built: both compiled loops (the exact part's and the value
-    shift's) for float32 and float64 end up in Numba's cache, so a server's first decode step
-    compiles nothing."""
+def test_compile_ahead_fills_numbas_cache_with_every_loop(tmp_path):
+    """What the image runs when it is built: the compiled loops (the exact part's, the value
+    shift's and the decode step's) for float32 and float64 end up in Numba's cache, so a
+    server's first decode step compiles nothing."""
     import os
     import subprocess
     import sys
 
     environment = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     subprocess.run(
-        [sys.executable, "-c", "from rewa.index.tail.kernel import compile_ahead; compile_ahead()"],
+        [sys.executable, "-c", "from rewa.index.tail.decode import compile_ahead; compile_ahead()"],
         check=True, env=environment, timeout=300,
     )  # fmt: skip
     cached = sorted(path.name for path in tmp_path.rglob("*.nbc"))
-    for loop in ("_head_sums", "_head_shift"):
-        assert len([name for name in cached if f"kernel.{loop}-" in name]) >= 2, cached
+    for loop in ("kernel._head_sums", "kernel._head_shift", "decode._decode_head"):
+        assert len([name for name in cached if f"{loop}-" in name]) >= 2, cached
     # A decode step afterwards (float32, window and sinks read apart) adds no compiled version.
     step = (
         "import torch\n"

@@ -28,6 +28,7 @@ from rewa.attention.sparse import softmax_attend
 
 from ..clusters import ClusterHeads, KeyClusters
 from .calibration import calibrated
+from .decode import compiled_step_applies, decode_step
 from .estimate import ClusterEstimate, estimate_clusters
 from .exact import _largest_logit_estimate, _visited_apart
 from .selection import select_clusters
@@ -160,6 +161,8 @@ def tail_attention_heads_with_reads(
         retain_freed_memory()
     qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
     n_heads, n_keys = heads.n_heads, heads.heads[0].n_keys
+    if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
+        return TailAttention(*decode_step(qw, heads, budget * n_keys))
     is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
     counts = heads.counts
     if always is not None and always.numel() > 0:
