@@ -119,16 +119,27 @@ def _checked_batch(
 ) -> torch.Size:
     """The inputs' broadcast batch shape, once they are checked (a clear error for each fault)."""
     check_attention_inputs(q, k, v, geometry)
+    if mask is None and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        batch = q.shape[:-2]  # nothing to broadcast (torch.broadcast_shapes costs more)
+    else:
+        batch = _broadcast_batch(q, k, v, mask)
+    if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
+        raise TypeError(f"expected a boolean or floating-point mask, got {mask.dtype}")
+    if (q_chunk is not None and q_chunk < 1) or k_chunk < 1:
+        raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
+    return batch
+
+
+def _broadcast_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Size:
+    """The broadcast batch shape of the inputs and the mask, or a clear error."""
     try:
         batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
         if mask is not None:
             torch.broadcast_shapes(mask.shape, (*batch, q.shape[-2], k.shape[-2]))
     except RuntimeError as error:
         raise ValueError(f"q, k, v and mask batch shapes do not broadcast: {error}") from None
-    if mask is not None and not (mask.dtype == torch.bool or mask.is_floating_point()):
-        raise TypeError(f"expected a boolean or floating-point mask, got {mask.dtype}")
-    if (q_chunk is not None and q_chunk < 1) or k_chunk < 1:
-        raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
     return batch
 
 

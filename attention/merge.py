@@ -14,10 +14,14 @@ def merge_attention(*parts: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Te
     """
     if not parts:
         raise ValueError("merge_attention needs at least one (out, lse) pair")
-    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
-    finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    out = sum(
-        part_out * torch.exp(part_lse - finite).unsqueeze(-1).to(part_out.dtype)
-        for part_out, part_lse in parts
-    )
+    # Two parts (a decode step merges several such pairs) in fewer operations than a stack.
+    if len(parts) == 2:
+        lse = torch.logaddexp(parts[0][1], parts[1][1])
+    else:
+        lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+    finite = lse.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    out = None
+    for part_out, part_lse in parts:
+        weight = torch.exp(part_lse - finite).unsqueeze(-1).to(part_out.dtype)
+        out = part_out * weight if out is None else out.addcmul_(part_out, weight)
     return out, lse

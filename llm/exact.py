@@ -2,11 +2,13 @@
 process (a layer's window and sinks, a window of an encoder, a document's staged tokens), under
 the dot geometry with the model's logit scale.
 
-A decode step's exact part is small (a few queries per head over a window of some hundred keys):
-there one matrix product for the logits and `softmax_attend` (about ten operations) replace the
-library's tiled online softmax (`dense_attention`), whose per-tile bookkeeping costs more than
-the arithmetic at that size (docs/benchmark-notes.md, "The value shift of a decode step").
-Larger parts (a prompt's blocks) keep the tiled path, which bounds its memory by the tile."""
+Without a mask (a decode step's newest queries see the whole window) `dense_attention` answers,
+which takes PyTorch's fused kernel for the dot product (docs/benchmark-notes.md, "The decode
+step compiled"). With a mask, a small part (a few queries per head over some hundred keys) is
+one matrix product for the logits and `softmax_attend` (about ten operations) instead of the
+library's tiled online softmax, whose per-tile bookkeeping costs more than the arithmetic at
+that size (docs/benchmark-notes.md, "The value shift of a decode step"); larger ones (a
+prompt's blocks) keep the tiled path, which bounds its memory by the tile."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def exact_part(
     sees no key gets `out = 0`, `lse = -inf`."""
     queries, keys, values = queries.float(), keys.float(), values.float()
     heads, m, n = queries.shape[0], queries.shape[-2], keys.shape[-2]
-    if heads * m * n > SMALL_LOGITS:
+    if visible is None or heads * m * n > SMALL_LOGITS:
         geometry = dot_geometry(queries.shape[-1], float(scale))
         return dense_attention(queries, keys, values, geometry, mask=visible)
     logits = torch.matmul(queries, keys.transpose(-1, -2)) * float(scale)
