@@ -8,8 +8,8 @@ own cost, not the arithmetic, was most of the step: about 300 calls per step. He
 compiled function per head runs the same stages, with the same arithmetic, on that head's
 clusters in place, and the heads are spread over PyTorch's number of threads (`threads.spread`;
 the function releases the GIL). `tail_attention_heads_with_reads` takes this path where
-`compiled_step_applies` and the batched stages everywhere else; tests/test_tail.py checks that
-both give the same answers.
+`compiled_step_applies` and the batched stages everywhere else; tests/test_tail_decode.py checks
+that both give the same answers.
 
 What each stage computes is the docstring of its module: `estimate._estimate_heads` and
 `_dot_product_estimate` (closed form), `selection.select_clusters`, `exact._visited_apart`
@@ -29,7 +29,7 @@ from rewa.attention import DotProduct
 
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
-from .kernel import PREFETCH_ROWS, _compiled, _head_shift, _head_sums, prefetch_row
+from .kernel import _compiled, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
 from .threads import spread
 from .unread import SHIFT_NEGLIGIBLE
@@ -77,6 +77,7 @@ class _HeadArrays(NamedTuple):
 
 
 def _head_arrays(heads: ClusterHeads) -> _HeadArrays:
+    """The `_HeadArrays` of `heads`, made at the first call and kept in `heads.derived`."""
     found = heads.derived.get(__name__)
     if found is None:
         exact_read = heads.exact_read.numpy()
@@ -219,11 +220,8 @@ def _estimate(queries, scale, counts, mean, residual, factor, radius, log_mass, 
     n_clusters, rank = counts.shape[0], factor.shape[1]
     tiny = np.finfo(log_mass.dtype).tiny
     projection = np.zeros((n_queries, rank, n_clusters), log_mass.dtype)
-    factor_rows = factor.reshape(dim * rank, factor.shape[2])
     for t in range(dim):
         for r in range(rank):
-            if (t + 1) * rank + r < dim * rank:
-                prefetch_row(factor_rows, (t + 1) * rank + r)
             for q in range(n_queries):
                 a = queries[q, t]
                 for c in range(n_clusters):
@@ -235,9 +233,6 @@ def _estimate(queries, scale, counts, mean, residual, factor, radius, log_mass, 
             squares += queries[q, t] * queries[q, t]
         norm[q] = np.sqrt(squares)
     for c in range(n_clusters):
-        if c + PREFETCH_ROWS < n_clusters:
-            prefetch_row(mean, c + PREFETCH_ROWS)
-            prefetch_row(residual, c + PREFETCH_ROWS)
         log_count = np.log(counts[c]) if counts[c] > 0 else -np.inf
         for q in range(n_queries):
             similarity = queries[q, 0] * mean[c, 0]
