@@ -3,6 +3,8 @@ queries per head it answers in place of the batched stages, with their answers (
 keys read) for every budget, dtype and number of queries it takes, heads of different cluster
 counts and outlier clusters included; everywhere else the batched stages answer."""
 
+import functools
+
 import pytest
 import torch
 
@@ -14,10 +16,12 @@ from rewa.index.tail import decode as decode_module
 HEADS, DIM, VALUE_DIM = 3, 16, 12
 
 
-def _stack(dtype, seed=0, n_keys=3000):
+@functools.cache
+def _stack(dtype, n_keys=3000):
     """Keys of `HEADS` heads around 20 centres each, a few far out (outlier clusters), clustered
-    into pieces of a different size per head; queries near the centres, scaled up (sharp)."""
-    generator = torch.Generator().manual_seed(seed)
+    into pieces of a different size per head (built once per dtype; no test changes them), and
+    the centres."""
+    generator = torch.Generator().manual_seed(0)
     geometry = make_geometry("dot", DIM).to(dtype)
     centres = torch.randn(HEADS, 20, DIM, generator=generator, dtype=dtype)
     labels = torch.randint(20, (HEADS, n_keys), generator=generator)
@@ -33,10 +37,12 @@ def _stack(dtype, seed=0, n_keys=3000):
     heads = ClusterHeads.stacked(clusters)
     assert len(set(heads.head_clusters)) == HEADS  # padded columns are exercised
     assert heads.exact_read.any(1).all()  # so are outlier clusters
-    return heads, centres, generator
+    return heads, centres
 
 
-def _queries(centres, generator, n_queries, scale=2.0):
+def _queries(centres, n_queries, seed=1, scale=2.0):
+    """Queries near the centres, scaled up (sharp)."""
+    generator = torch.Generator().manual_seed(seed)
     labels = torch.randint(centres.shape[1], (HEADS, n_queries), generator=generator)
     near = centres.gather(1, labels.unsqueeze(-1).expand(-1, -1, DIM))
     return scale * near + 0.3 * torch.randn(near.shape, generator=generator, dtype=near.dtype)
@@ -53,8 +59,8 @@ def _counted(monkeypatch) -> list:
 @pytest.mark.parametrize("n_queries", [1, 4, decode_module.COMPILED_STEP_ROWS])
 @pytest.mark.parametrize("budget", [0.002, 0.01, 0.05, 0.3, 1.0])
 def test_the_compiled_step_equals_the_batched_stages(monkeypatch, dtype, n_queries, budget):
-    heads, centres, generator = _stack(dtype)
-    queries = _queries(centres, generator, n_queries)
+    heads, centres = _stack(dtype)
+    queries = _queries(centres, n_queries)
     calls = _counted(monkeypatch)
     with torch.no_grad():
         found = tail_attention_heads_with_reads(queries, heads, budget=budget)
@@ -72,8 +78,8 @@ def test_the_compiled_step_equals_the_batched_stages(monkeypatch, dtype, n_queri
 
 
 def test_a_budget_below_every_cluster_reads_nothing_and_estimates_all(monkeypatch):
-    heads, centres, generator = _stack(torch.float64)
-    queries = _queries(centres, generator, 3)
+    heads, centres = _stack(torch.float64)
+    queries = _queries(centres, 3)
     smallest = float(heads.counts[heads.counts > 0].min())
     budget = 0.5 * smallest / heads.heads[0].n_keys
     with torch.no_grad():
@@ -89,9 +95,9 @@ def test_a_budget_below_every_cluster_reads_nothing_and_estimates_all(monkeypatc
     "case", ["more-queries", "gradient", "always", "exact-only", "sphere", "no-budget"]
 )
 def test_the_batched_stages_answer_what_the_step_does_not_take(monkeypatch, case):
-    heads, centres, generator = _stack(torch.float64)
+    heads, centres = _stack(torch.float64)
     n_queries = decode_module.COMPILED_STEP_ROWS + 1 if case == "more-queries" else 2
-    queries = _queries(centres, generator, n_queries)
+    queries = _queries(centres, n_queries)
     options = {"budget": 0.0 if case == "no-budget" else 0.02}
     if case == "always":
         options["always"] = torch.arange(5)
