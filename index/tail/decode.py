@@ -150,13 +150,13 @@ def _compiled_step():
     return _compiled(_decode_head)
 
 
-def compile_ahead() -> None:
-    """Compiles every loop of tail attention (`kernel.compile_ahead`) and the step for float32
-    and float64 contexts now, into Numba's cache (the image does it when it is built, so that a
-    server's first decode step compiles nothing)."""
-    kernel_compile_ahead()
+def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
+    """Compiles every loop of tail attention (`kernel.compile_ahead`) and the step for contexts
+    of `dtypes` (float32 and float64) now, into Numba's cache (the image does it when it is
+    built, so that a server's first decode step compiles nothing)."""
+    kernel_compile_ahead(dtypes)
     step = _compiled_step()
-    for dtype in (np.float32, np.float64):
+    for dtype in dtypes:
         one = np.ones((1, 2), dtype)
         step(
             one, 1.0, np.ones(1, dtype), 1, 1, 1e-3, np.ones(1, dtype), np.zeros(1, np.bool_),

@@ -171,10 +171,10 @@ def dot_product_sums(
     return out, weight, peak
 
 
-def compile_ahead() -> None:
-    """Compiles the loops for float32 and float64 contexts now, into Numba's cache (the image
-    does it when it is built, so that a server's first decode step does not)."""
-    for dtype in (np.float32, np.float64):
+def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
+    """Compiles the loops for contexts of `dtypes` (float32 and float64) now, into Numba's cache
+    (the image does it when it is built, so that a server's first decode step does not)."""
+    for dtype in dtypes:
         keys, values = np.ones((2, 2), dtype), np.ones((2, 3), dtype)
         pairs = np.zeros(1, np.int64)
         out, weight = np.zeros((1, 3), dtype), np.zeros(1, dtype)
