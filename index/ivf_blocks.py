@@ -23,6 +23,7 @@ Causal calls read every probed list (a list's moments count keys after the query
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -62,9 +63,9 @@ class ListMoments:
     radius: torch.Tensor
     _search: faiss.Index | None = field(default=None, repr=False)
 
-    @property
+    @functools.cached_property
     def nonempty(self) -> torch.Tensor:
-        """The lists that hold keys, ascending."""
+        """The lists that hold keys, ascending (the counts never change)."""
         return torch.nonzero(self.counts).squeeze(-1)
 
     def search_index(self) -> faiss.Index:

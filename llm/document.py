@@ -62,7 +62,9 @@ class RemoteDocument:
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stage a layer's spilled tokens; commit every layer's oldest staged block once each
         layer has one."""
-        self.staged[layer].append((keys.detach().float().cpu(), values.detach().float().cpu()))
+        # Copies: the caller may write the tensors it passed again (a `MemoryLayer` does).
+        staged = [t.detach().to("cpu", torch.float32, copy=True) for t in (keys, values)]
+        self.staged[layer].append(tuple(staged))
         while all(self.staged[layer] for layer in self.layers):
             blocks = [self.staged[layer].pop(0) for layer in self.layers]
             tokens = {block[0].shape[1] for block in blocks}

@@ -55,7 +55,8 @@ DEFAULT_SPILL = 256
 
 class AttentionMemory(Protocol):
     """What a layer's memory does: `rewa.index.LocalMemory` (in process) and
-    `rewa.clients.RemoteMemory` (over HTTP) both are one."""
+    `rewa.clients.RemoteMemory` (over HTTP) both are one. `append` takes the tokens it is
+    given by value (copies or sends them): the layer writes those rows again afterwards."""
 
     @property
     def n_tokens(self) -> int: ...
@@ -94,12 +95,11 @@ class MemoryLayer(DynamicLayer):
         self.memory: AttentionMemory | None = None
         self.n_seen = 0
         self.n_spilled = 0
-        # The local tokens are the first `n_local` of buffers with spare capacity (`keys` and
+        # The local tokens are the first rows of buffers with spare capacity (`keys` and
         # `values` are views of them), so that a decode step's token is written once, not the
         # whole window copied into a new tensor as `DynamicLayer.update` does.
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
-        self._n_local = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if key_states.shape[0] != 1:
@@ -112,16 +112,16 @@ class MemoryLayer(DynamicLayer):
             self._value_buffer = value_states.new_empty(
                 value_states.shape[1], 0, value_states.shape[3]
             )
-            self._n_local = 0
-        self._key_buffer = appended(self._key_buffer, self._n_local, key_states[0])
-        self._value_buffer = appended(self._value_buffer, self._n_local, value_states[0])
-        self._set_local(self._n_local + key_states.shape[-2])
+            self._set_local(0)
+        n_local = self.keys.shape[-2]
+        self._key_buffer = appended(self._key_buffer, n_local, key_states[0])
+        self._value_buffer = appended(self._value_buffer, n_local, value_states[0])
+        self._set_local(n_local + key_states.shape[-2])
         self.n_seen += key_states.shape[-2]
         return self.keys, self.values
 
     def _set_local(self, n_local: int) -> None:
         """The first `n_local` rows of the buffers as `keys` and `values`."""
-        self._n_local = n_local
         self.keys = self._key_buffer[:, :n_local].unsqueeze(0)
         self.values = self._value_buffer[:, :n_local].unsqueeze(0)
 
@@ -153,8 +153,7 @@ class MemoryLayer(DynamicLayer):
             block = query[0, :, start - first : end - first].float()
             # Grouped heads: kv head h answers query heads h * group ... (h + 1) * group - 1.
             grouped = block.reshape(kv_heads, group * (end - start), head_dim)
-            positions = torch.arange(start, end, device=query.device).repeat(group)
-            parts = [self._local_attention(grouped, positions, end, scaling)]
+            parts = [self._local_attention(grouped, start, end, scaling)]
             if self.n_spilled:
                 out, lse = self.memory.attend(grouped)
                 parts.append((out.to(grouped.device), lse.to(grouped.device)))
@@ -162,11 +161,14 @@ class MemoryLayer(DynamicLayer):
             outs.append(out.reshape(q_heads, end - start, -1))
         return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
 
-    def _local_attention(self, grouped, positions, end, scaling):
-        """Exact causal attention of grouped queries over the local keys before `end`."""
-        if int(positions[0]) >= self.n_seen - 1:
+    def _local_attention(self, grouped, start, end, scaling):
+        """Exact causal attention of grouped queries, those of the tokens `[start, end)` of each
+        group, over the local keys before `end`."""
+        if start == self.n_seen - 1:
             # The newest token's queries (a decode step) see every local key: no mask.
             return exact_part(grouped, self.keys[0], self.values[0], scaling)
+        group = grouped.shape[1] // (end - start)
+        positions = torch.arange(start, end, device=grouped.device).repeat(group)
         key_positions = self.local_positions()
         visible = int((key_positions < end).sum())
         seen = key_positions[:visible].unsqueeze(0) <= positions.unsqueeze(1)
@@ -187,13 +189,11 @@ class MemoryLayer(DynamicLayer):
                 self.layer_idx, kv_heads, head_dim, value_dim, scaling
             )
         moved = slice(self.sinks, self.sinks + count)
-        # Copies: a memory may keep what it is given (a document stages it), and the buffers'
-        # rows are written again below.
-        self.memory.append(self.keys[0, :, moved].clone(), self.values[0, :, moved].clone())
-        kept = self._n_local - moved.stop
-        self._key_buffer = _without(self._key_buffer, moved, self._n_local, self.spill)
-        self._value_buffer = _without(self._value_buffer, moved, self._n_local, self.spill)
-        self._set_local(self.sinks + kept)
+        self.memory.append(self.keys[0, :, moved], self.values[0, :, moved])
+        n_local = self.keys.shape[-2]
+        self._key_buffer = _without(self._key_buffer, moved, n_local, self.spill)
+        self._value_buffer = _without(self._value_buffer, moved, n_local, self.spill)
+        self._set_local(n_local - count)
         self.n_spilled += count
 
     def wait_for_index(self) -> None:
@@ -210,7 +210,7 @@ class MemoryLayer(DynamicLayer):
         self.keys = self.values = None
         self._key_buffer = self._value_buffer = None
         self.is_initialized = False
-        self.n_seen = self.n_spilled = self._n_local = 0
+        self.n_seen = self.n_spilled = 0
 
     def reset(self) -> None:
         self.close()

@@ -4,7 +4,8 @@ loop per head (docs/indexes.md, "The decode step compiled").
 A decode step asks a few queries per head. Through the stages of `tail_attention_heads`
 (estimate, selection, exact part, calibration, unread estimate) each stage is a dozen PyTorch or
 numpy calls on `(heads x queries, clusters)` tables of a few thousand entries, so the calls'
-own cost, not the arithmetic, was most of the step: about 300 calls per step. Here one
+own cost, not the arithmetic, was most of the step (docs/benchmark-notes.md, "The decode step
+compiled"). Here one
 compiled function per head runs the same stages, with the same arithmetic, on that head's
 clusters in place, and the heads are spread over PyTorch's number of threads (`threads.spread`;
 the function releases the GIL). `tail_attention_heads_with_reads` takes this path where
@@ -29,8 +30,10 @@ from rewa.attention import DotProduct
 
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
+from .exact import _needs_grad
 from .kernel import _compiled, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
+from .selection import average_size, walk_width
 from .threads import spread
 from .unread import SHIFT_NEGLIGIBLE
 
@@ -51,18 +54,14 @@ def compiled_step_applies(
     """Whether `decode_step` answers for queries `(H, nq, d)`: the dot product on the CPU in
     float32 or float64, at most `COMPILED_STEP_ROWS` queries per head (a decode step's),
     without autograd, `always` keys or `tail=False`."""
-    geometry = heads.geometry
-    needs_grad = torch.is_grad_enabled() and (
-        q.requires_grad or any(p.requires_grad for p in geometry.parameters())
-    )
     return (
-        type(geometry) is DotProduct
+        type(heads.geometry) is DotProduct
         and q.device.type == "cpu"
         and heads.counts.dtype in (torch.float32, torch.float64)
         and q.shape[1] <= COMPILED_STEP_ROWS
         and tail
         and (always is None or always.numel() == 0)
-        and not needs_grad
+        and not _needs_grad(q, heads.geometry)
     )
 
 
@@ -92,8 +91,7 @@ def _head_arrays(heads: ClusterHeads) -> _HeadArrays:
                 clusters.value_mean.numpy(), clusters.value_cross.numpy(),
                 clusters.offsets.numpy(), clusters.keys_w.numpy(), clusters.values.numpy(),
             ))  # fmt: skip
-        ordinary = heads.counts.masked_fill(heads.exact_read, 0)
-        average = float(ordinary.sum()) / max(int((ordinary > 0).sum()), 1)
+        average = average_size(heads.counts.masked_fill(heads.exact_read, 0))
         found = heads.derived[__name__] = _HeadArrays(per_head, average)
     return found
 
@@ -115,10 +113,8 @@ def decode_step(
     lse = torch.full((n_heads, n_queries), float("-inf"), dtype=dtype)
     reads = torch.zeros(n_heads, n_queries, dtype=dtype)
     outputs = out.numpy(), lse.numpy(), reads.numpy()
-    # How many of its most massive clusters a query's walk looks at, as `select_clusters`
-    # counts them (twice as many as the budget holds at the average size, plus 8), and the
-    # budget it walks, in the counts' dtype as there.
-    width = min(heads.n_clusters, 2 * int(budget_keys / max(arrays.average_size, 1.0)) + 8)
+    # As `select_clusters` makes them: the walk's width, and its budget in the counts' dtype.
+    width = walk_width(arrays.average_size, budget_keys, heads.n_clusters)
     budget = np.array([budget_keys], dtype=outputs[0].dtype)
     scale = float(heads.geometry.scale)
     step = _compiled_step()

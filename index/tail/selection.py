@@ -49,10 +49,7 @@ def select_clusters(
             n_forced = int(exact_read.sum(-1).max())
             forced = (~exact_read).to(torch.uint8).argsort(dim=-1, stable=True)[:, :n_forced]
             forced_sizes = counts.gather(1, forced) * exact_read.gather(1, forced)
-    # The greedy walk looks at the most massive clusters only: twice as many as the budget
-    # holds at the average cluster size, plus a few.
-    average = float(ordinary_counts.sum()) / max(int((ordinary_counts > 0).sum()), 1)
-    width = min(log_mass.shape[-1], 2 * int(budget_keys / max(average, 1.0)) + 8)
+    width = walk_width(average_size(ordinary_counts), budget_keys, log_mass.shape[-1])
     best = _most_massive(log_mass, width)
     sizes = ordinary_counts[best] if ordinary_counts.dim() == 1 else ordinary_counts.gather(1, best)
     if forced is not None:
@@ -70,6 +67,17 @@ def select_clusters(
         remaining = remaining - size * chosen[:, column]
     queries, slots = torch.as_tensor(chosen, device=best.device).nonzero(as_tuple=True)
     return queries, best[queries, slots]
+
+
+def average_size(counts: torch.Tensor) -> float:
+    """The average size of the non-empty clusters among `counts` (any shape)."""
+    return float(counts.sum()) / max(int((counts > 0).sum()), 1)
+
+
+def walk_width(average: float, budget_keys: float, n_columns: int) -> int:
+    """How many of a query's most massive clusters the greedy walk looks at: twice as many as
+    `budget_keys` holds at the `average` cluster size, plus a few (at most `n_columns`)."""
+    return min(n_columns, 2 * int(budget_keys / max(average, 1.0)) + 8)
 
 
 def _most_massive(log_mass: torch.Tensor, width: int) -> torch.Tensor:
