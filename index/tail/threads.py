@@ -6,6 +6,7 @@ build threads of `LocalMemory` and of the service's engine)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,24 +42,27 @@ os.register_at_fork(after_in_child=cpu_workers.cache_clear)
 
 
 def spread(work: Callable[[T], object], items: Sequence[T]) -> None:
-    """`work(item)` for every item, the items split into as many contiguous shares as PyTorch
-    has CPU threads: the first share on the calling thread, each other one as one task of
-    `cpu_workers` (one hand-off per thread, not per item). `work` must release the GIL (a
-    compiled loop, numpy's products) for the shares to run at once. Raises the first error."""
+    """`work(item)` for every item, on the calling thread and on up to as many `cpu_workers` as
+    PyTorch has CPU threads besides it (one hand-off per thread, not per item). Each thread takes
+    the next item not yet taken until none is left, so a thread that drew quick items takes more
+    of them (heads of one call cost from a fraction to several times their average:
+    docs/benchmark-notes.md, "Items taken in turn"). `work` must release the GIL (a compiled
+    loop, numpy's products) for the threads to run at once. A thread whose item raises takes no
+    more items; the others run to the end, and the first error is raised."""
     threads = min(torch.get_num_threads(), len(items))
     if threads <= 1:
         for item in items:
             work(item)
         return
-    bounds = [len(items) * share // threads for share in range(threads + 1)]
+    taken = itertools.count()  # next() on it is atomic under the GIL
 
-    def run(share: int) -> None:
-        for item in items[bounds[share] : bounds[share + 1]]:
-            work(item)
+    def run() -> None:
+        while (position := next(taken)) < len(items):
+            work(items[position])
 
-    others = [cpu_workers().submit(run, share) for share in range(1, threads)]
+    others = [cpu_workers().submit(run) for _ in range(1, threads)]
     try:
-        run(0)
+        run()
     finally:
         for other in others:
             other.result()
