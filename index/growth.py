@@ -33,13 +33,19 @@ def retrains(old_keys: int, new_keys: int) -> bool:
 GROWTH = 1.25
 
 
-def appended(buffer: torch.Tensor, used: int, new: torch.Tensor) -> torch.Tensor:
+def appended(
+    buffer: torch.Tensor, used: int, new: torch.Tensor, spare: bool = True
+) -> torch.Tensor:
     """`buffer[:, :used]` followed by `new` along dimension 1: written into `buffer` when it has
     room (what lies before `used` is never touched, so views of earlier versions stay valid),
-    else into a larger buffer."""
+    else into a larger buffer, `GROWTH` times the old one or, with `spare`, times what it now
+    holds if that is more: a buffer that took a long prompt in one append then takes the next
+    appends without copying the prompt again (docs/indexes.md, "Appends")."""
     needed = used + new.shape[1]
     if needed > buffer.shape[1]:
         capacity = max(needed, int(buffer.shape[1] * GROWTH))
+        if spare:
+            capacity = max(capacity, int(needed * GROWTH))
         grown = buffer.new_empty(buffer.shape[0], capacity, buffer.shape[2])
         grown[:, :used] = buffer[:, :used]
         buffer = grown

@@ -114,8 +114,10 @@ class MemoryLayer(DynamicLayer):
             )
             self._set_local(0)
         n_local = self.keys.shape[-2]
-        self._key_buffer = appended(self._key_buffer, n_local, key_states[0])
-        self._value_buffer = appended(self._value_buffer, n_local, value_states[0])
+        # A prompt passes through whole and is spilled at the next attend (`_without`): no
+        # room to spare beyond it.
+        self._key_buffer = appended(self._key_buffer, n_local, key_states[0], spare=False)
+        self._value_buffer = appended(self._value_buffer, n_local, value_states[0], spare=False)
         self._set_local(n_local + key_states.shape[-2])
         self.n_seen += key_states.shape[-2]
         return self.keys, self.values

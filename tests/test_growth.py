@@ -13,7 +13,7 @@ import torch
 from rewa.attention import make_geometry
 from rewa.index import KeyClusters, build_index
 from rewa.index.clusters import key_features
-from rewa.index.growth import retrains, trained_prefix
+from rewa.index.growth import GROWTH, appended, retrains, trained_prefix
 from rewa.index.tail import tail_attention
 
 
@@ -36,6 +36,25 @@ def _keys(n, d=16, seed=0):
 
 # Cut points: below the training base, past it (no retraining), across a doubling, and one by one.
 STEPS = [3000, 4096, 4100, 4101, 6000, 8191, 8192, 8193, 9000]
+
+
+def test_a_grown_buffer_keeps_room_for_the_next_appends():
+    """A buffer that takes a long prompt in one append has room to spare after it, so the next
+    appends copy nothing; without `spare`, it is just large enough. What it holds is kept."""
+    prompt, token = torch.randn(2, 1000, 3), torch.randn(2, 1, 3)
+    for spare, capacity in ((True, int(1000 * GROWTH)), (False, 1000)):
+        buffer = appended(torch.empty(2, 16, 3), 0, prompt, spare=spare)
+        assert buffer.shape[1] == capacity and torch.equal(buffer[:, :1000], prompt)
+        after = appended(buffer, 1000, token, spare=spare)
+        assert (after.data_ptr() == buffer.data_ptr()) == spare
+        assert torch.equal(after[:, :1001], torch.cat([prompt, token], 1))
+    # Appends one at a time grow the buffer to GROWTH times what it holds each time it fills.
+    buffer = torch.empty(1, 8, 1)
+    for used in range(8, 40):
+        before = buffer.shape[1]
+        buffer = appended(buffer, used, torch.full((1, 1, 1), float(used)))
+        assert buffer.shape[1] == (before if used < before else int((used + 1) * GROWTH))
+    assert torch.equal(buffer[0, 8:40, 0], torch.arange(8.0, 40.0))
 
 
 @pytest.mark.parametrize("geometry", ["dot", "euclidean", "poincare"])
