@@ -62,6 +62,7 @@ from rewa.index import (
 )
 from rewa.index.growth import EXACT_WHILE_BUILDING
 from rewa.index.ivf_blocks import prepare_list_moments
+from rewa.index.tail.decode import compiled_step_applies
 from rewa.index.tail.threads import background_threads
 
 from .store import ContextRecord, ContextStore, Segment, stored_heads
@@ -674,15 +675,17 @@ class Engine:
         The attention runs on `sparse_threads`: a sparse call is many small operations, which
         a second thread speeds up far less than it costs the other work of the process
         (benchmarks/service.py --sparse-threads: 32 decode clients, 294 requests/s on one
-        thread, 135 on two). The window's keys among the indexed ones are read exactly here,
-        the others in the unindexed part."""
+        thread, 135 on two). A decode step's compiled tail attention (`compiled_step_applies`)
+        is one hand-off per thread, and takes PyTorch's default (docs/benchmark-notes.md, "A
+        decode step on every thread"). The window's keys among the indexed ones are read
+        exactly here, the others in the unindexed part."""
         if params.mode == "tail":
             # Every head in one call (a decode step costs one head's operations).
             always = window_and_sinks(loaded.n_tokens, params.window, params.sinks, q.device)
-            with intra_op_threads(self.sparse_threads):
-                return tail_attention_heads(
-                    q, index, budget=params.budget, always=always[always < count]
-                )
+            always = always[always < count]
+            step = compiled_step_applies(q, index, always, tail=True)
+            with intra_op_threads(0 if step else self.sparse_threads):
+                return tail_attention_heads(q, index, budget=params.budget, always=always)
         # The window around each query's position: its keys after `count` are dropped here
         # (candidates past the keys given) and read in the unindexed part.
         with intra_op_threads(self.sparse_threads):

@@ -53,7 +53,9 @@ class Settings(BaseSettings):
     sparse_threads: int = Field(
         1,
         ge=0,
-        description="CPU threads of one tail or topk attention call; 0: torch's default",
+        description="CPU threads of one tail or topk attention call (a decode step's "
+        "compiled tail attention, at most 8 queries per head, takes torch's default); 0: "
+        "torch's default",
     )
     batching: bool = True
     batch_max_queries: int = Field(4096, ge=1, description="queries merged into one call")

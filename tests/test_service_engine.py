@@ -10,6 +10,7 @@ import torch
 
 from rewa.attention import dense_attention, make_geometry, merge_attention
 from rewa.index import OPEN_SEGMENT, KeyClusters, retrieval_attention, tail_attention
+from rewa.index.tail.decode import COMPILED_STEP_ROWS
 from rewa.service import engine as engine_module
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import AttendParams, Engine, intra_op_threads, resolve_device
@@ -98,15 +99,20 @@ def test_intra_op_threads_are_set_inside_the_block_and_restored_after_it():
         assert torch.get_num_threads() == before
 
 
-@pytest.mark.parametrize("mode", ["tail", "topk"])
-def test_sparse_attention_runs_on_sparse_threads_and_builds_on_one_thread(monkeypatch, mode):
-    """An attend's sparse call runs on `sparse_threads`, the index it waits for is built on the
-    build thread, which runs PyTorch on one thread (`background_threads`); the caller's
-    setting is restored."""
+@pytest.mark.parametrize(
+    ("mode", "n_queries"), [("tail", 3), ("tail", COMPILED_STEP_ROWS + 1), ("topk", 3)]
+)
+def test_sparse_attention_runs_on_sparse_threads_and_builds_on_one_thread(
+    monkeypatch, mode, n_queries
+):
+    """An attend's sparse call runs on `sparse_threads` (a decode step's compiled tail
+    attention, a few queries per head, on the caller's setting), the index it waits for is
+    built on the build thread, which runs PyTorch on one thread (`background_threads`); the
+    caller's setting is restored."""
     store = EmbeddedStore()
     record = _committed_record(store, "a", 5)
     params = AttendParams(mode=mode, top_k=16, budget=0.1, window=0, sinks=0)
-    queries = torch.randn(H, 3, D)
+    queries = torch.randn(H, n_queries, D)
     before = 2  # set below, so that it differs from sparse_threads on any machine
     seen = {"attention": [], "clusters": [], "index": []}
 
@@ -132,7 +138,8 @@ def test_sparse_attention_runs_on_sparse_threads_and_builds_on_one_thread(monkey
         result = engine.attend(engine.context("ns", record), queries, params)
         assert torch.get_num_threads() == before
     # Tail attention takes every head in one call, top-K one head per call.
-    assert seen["attention"] == [1] * (1 if mode == "tail" else H)
+    step = mode == "tail" and n_queries <= COMPILED_STEP_ROWS
+    assert seen["attention"] == [before if step else 1] * (1 if mode == "tail" else H)
     built = seen["clusters"] if mode == "tail" else seen["index"]
     assert built == [1] * H
     torch.testing.assert_close(result["out"], expected["out"])
