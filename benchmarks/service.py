@@ -15,6 +15,7 @@ over the measured requests, divided by their number) plus one `{"mode": "upload"
     .venv/bin/python benchmarks/service.py
     .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
     .venv/bin/python benchmarks/service.py --sparse-threads 2 --out /tmp/service-2-threads
+    .venv/bin/python benchmarks/service.py --clients 1 8 --out /tmp/service-few-clients
 """
 
 from __future__ import annotations
@@ -119,11 +120,17 @@ def upload(url: str, tokens: int) -> tuple[str, float, int]:
             response.raise_for_status()
         client.post(f"/v1/contexts/{context['id']}/uploads/{upload_id}/commit").raise_for_status()
         seconds = time.perf_counter() - start
-        # The commit builds the clusters in the background; waiting for them here keeps the
-        # warm-up's first attend from queueing behind that build (past REWA_MAX_QUEUE_WAIT_S).
-        built = client.post(f"/v1/contexts/{context['id']}/index", json={"modes": ["tail"]})
-        built.raise_for_status()
     return context["id"], seconds, sum(len(body) for body in bodies)
+
+
+def wait_for_index(url: str, context_id: str) -> None:
+    """Until the server has the context's tail clusters: the first server builds them in the
+    background after the commit, the second (another process over the same directory) when it
+    first loads the context. Without the wait, the warm-up's first attend queues behind that
+    build (past REWA_MAX_QUEUE_WAIT_S), and the measured attends may read every key exactly
+    while it runs (`EXACT_WHILE_BUILDING`)."""
+    with httpx.Client(base_url=url, timeout=600) as client:
+        client.post(f"/v1/contexts/{context_id}/index", json={"modes": ["tail"]}).raise_for_status()
 
 
 def decode_request(generator: torch.Generator) -> dict:
@@ -191,7 +198,9 @@ def load(
     }
 
 
-def run(tokens: int, requests: int, sparse_threads: int | None) -> list[dict]:
+def run(
+    tokens: int, requests: int, sparse_threads: int | None, client_counts: list[int]
+) -> list[dict]:
     records = []
     with tempfile.TemporaryDirectory(prefix="rewa-bench-") as data_dir:
         for batching in (True, False):
@@ -203,10 +212,11 @@ def run(tokens: int, requests: int, sparse_threads: int | None) -> list[dict]:
                         {"mode": "upload", "seconds": seconds, "tokens": tokens, "bytes": size}
                     )
                     print(json.dumps(records[-1]), flush=True)
+                wait_for_index(url, context_id)
                 for exact in (False, True):
                     # Warm-up: load, build the clusters.
                     load(url, context_id, 1, 3, exact, process.pid)
-                    for clients in CLIENT_COUNTS:
+                    for clients in client_counts:
                         measured = load(url, context_id, clients, requests, exact, process.pid)
                         record = {
                             "mode": "exact" if exact else "tail",
@@ -258,8 +268,11 @@ def main() -> None:
     parser.add_argument(
         "--sparse-threads", type=int, default=None, help="REWA_SPARSE_THREADS of the servers"
     )
+    parser.add_argument(
+        "--clients", type=int, nargs="+", default=CLIENT_COUNTS, help="concurrent clients"
+    )
     args = parser.parse_args()
-    records = run(args.tokens, args.requests, args.sparse_threads)
+    records = run(args.tokens, args.requests, args.sparse_threads, args.clients)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "service.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "service.png")

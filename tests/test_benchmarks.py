@@ -144,7 +144,9 @@ def test_hierarchy_benchmark_writes_records_and_a_plot(tmp_path):
 
 
 def test_service_benchmark_writes_records_and_a_plot(tmp_path):
-    records = run_benchmark("service", tmp_path, "--tokens", "2048", "--requests", "2")
+    records = run_benchmark(
+        "service", tmp_path, "--tokens", "2048", "--requests", "2", "--clients", "1", "8"
+    )
     upload, *loads = records
     assert upload["mode"] == "upload" and upload["tokens"] == 2048
     assert upload["bytes"] == 2 * 8 * 2048 * 64 * 4
@@ -152,12 +154,12 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     keys |= {"server_cpu_ms_per_request", "client_cpu_ms_per_request"}
     assert all(set(r) == keys for r in loads)
     # /proc counts CPU time in clock ticks (10 ms): one client's two requests can take less
-    # than a tick on a fast machine, the twelve configurations' 328 requests together cannot.
+    # than a tick on a fast machine, the eight configurations' 72 requests together cannot.
     assert all(r["server_cpu_ms_per_request"] >= 0 for r in loads)
     assert sum(r["server_cpu_ms_per_request"] for r in loads) > 0
     configurations = {(r["clients"], r["batching"], r["exact"]) for r in loads}
     assert configurations == {
-        (c, b, e) for c in (1, 8, 32) for b in (True, False) for e in (True, False)
+        (c, b, e) for c in (1, 8) for b in (True, False) for e in (True, False)
     }
     assert all(r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0 for r in loads)
     assert (tmp_path / "service.png").stat().st_size > 10_000
