@@ -45,8 +45,8 @@ def spread(work: Callable[[T], object], items: Sequence[T]) -> None:
     """`work(item)` for every item, on the calling thread and on up to as many `cpu_workers` as
     PyTorch has CPU threads besides it (one hand-off per thread, not per item). Each thread takes
     the next item not yet taken until none is left, so a thread that drew quick items takes more
-    of them (heads of one call cost from a fraction to several times their average:
-    docs/benchmark-notes.md, "Items taken in turn"). `work` must release the GIL (a compiled
+    of them (the heads of a decode step differ in cost: docs/benchmark-notes.md, "Items taken
+    in turn"). `work` must release the GIL (a compiled
     loop, numpy's products) for the threads to run at once. A thread whose item raises takes no
     more items; the others run to the end, and the first error is raised."""
     threads = min(torch.get_num_threads(), len(items))
