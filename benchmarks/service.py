@@ -214,7 +214,7 @@ def run(
                     print(json.dumps(records[-1]), flush=True)
                 wait_for_index(url, context_id)
                 for exact in (False, True):
-                    # Warm-up: load, build the clusters.
+                    # Warm-up (the index is built: `wait_for_index`).
                     load(url, context_id, 1, 3, exact, process.pid)
                     for clients in client_counts:
                         measured = load(url, context_id, clients, requests, exact, process.pid)

@@ -218,7 +218,8 @@ def _spread(n_items: int, failing: int | None = None):
 def test_spread_runs_every_item_once_and_raises_an_items_error(threads):
     """`threads.spread` runs each item once however many threads take them (more threads than
     items too), and raises an error of any item (on the calling thread or a worker) once every
-    thread has stopped; the other threads run the remaining items."""
+    thread has stopped: the thread whose item raised takes no more, the others run every item
+    left (on one thread, nothing after the failing item runs)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -229,8 +230,8 @@ def test_spread_runs_every_item_once_and_raises_an_items_error(threads):
         for failing in (0, 4):
             done, _, error = _spread(5, failing)
             assert str(error) == f"item {failing} failed"
-            if threads > 1:  # another thread ran to the end
-                assert 4 - failing in done
+            left = [item for item in range(5) if item != failing]
+            assert sorted(done) == (left if threads > 1 else list(range(failing)))
     finally:
         torch.set_num_threads(previous)
 
