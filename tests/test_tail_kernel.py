@@ -14,7 +14,7 @@ from rewa.index import ClusterHeads, KeyClusters, tail_attention, tail_attention
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import kernel
 from rewa.index.tail.exact import _cluster_product_sums
-from rewa.index.tail.threads import background_threads, cpu_workers, spread
+from rewa.index.tail.threads import background_threads, cpu_workers, one_blas_thread, spread
 
 HEADS, N_KEYS, DIM, VALUE_DIM, QUERIES = 3, 2000, 16, 6, 5
 
@@ -270,3 +270,40 @@ def test_background_threads_run_pytorch_on_one_thread_each():
     finally:
         pool.shutdown()
     assert torch.get_num_threads() == before
+
+
+def _blas_threads() -> set[int]:
+    from threadpoolctl import threadpool_info
+
+    return {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+
+
+def test_numpys_blas_runs_on_one_thread_within_one_blas_thread():
+    before = _blas_threads()
+    assert before  # numpy's BLAS is loaded
+    with one_blas_thread():
+        assert _blas_threads() == {1}
+    assert _blas_threads() == before
+
+
+def test_the_exact_parts_numpy_products_run_on_one_blas_thread(monkeypatch):
+    """Many queries per cluster: the exact part's products per cluster in numpy, every one of
+    them with numpy's BLAS on one thread (its spinning threads slowed PyTorch's next
+    operations)."""
+    threads_seen = []
+    matmul = exact_module.np.matmul
+
+    def watched(*arguments, **options):
+        threads_seen.append(_blas_threads())
+        return matmul(*arguments, **options)
+
+    geometry = make_geometry("dot", 8).double()
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3000, 8, generator=generator, dtype=torch.float64)
+    values = torch.randn(3000, 4, generator=generator, dtype=torch.float64)
+    clusters = KeyClusters.build(keys, values, geometry)
+    queries = torch.randn(400, 8, generator=generator, dtype=torch.float64)
+    monkeypatch.setattr(exact_module.np, "matmul", watched)
+    with torch.no_grad():
+        tail_attention(queries, clusters, budget=0.05)
+    assert threads_seen and all(seen == {1} for seen in threads_seen)

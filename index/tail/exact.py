@@ -13,6 +13,7 @@ from rewa.attention.sparse import softmax_attend
 from ..block_scoring import block_scorer
 from ..clusters import ClusterHeads, KeyClusters
 from .kernel import dot_product_sums, few_visitors
+from .threads import one_blas_thread
 
 KEY_BLOCK = 128  # keys per block of the exact part
 QUERY_GROUP = 32  # queries per (group, block) slice of the exact part
@@ -264,7 +265,7 @@ def _dot_product_sums(
     sums, totals = weighted_values.numpy(), weight_sums.numpy()
     flagged = [None if flags is None else flags.numpy() for flags in is_always]
     # Overflows are the caller's to detect (`failed`), as with PyTorch's silent infinities.
-    with np.errstate(over="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"), one_blas_thread():
         for head, cluster, part, keys in runs:
             weights = np.matmul(queries[part], keys_w[head][keys].T)
             weights += bias[part]

@@ -1,7 +1,8 @@
 """Threads besides the caller's: tail attention's workers for what runs outside PyTorch and
-releases the GIL (numpy's products, the compiled exact part), and `background_threads`, the
-pools of every thread that may run PyTorch's operations beside the one that computes (the
-build threads of `LocalMemory` and of the service's engine)."""
+releases the GIL (numpy's products, the compiled loops), `background_threads`, the pools of
+every thread that may run PyTorch's operations beside the one that computes (the build threads
+of `LocalMemory` and of the service's engine), and `one_blas_thread`, numpy's BLAS kept on the
+calling thread for tail attention's small products."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
+from threadpoolctl import ThreadpoolController
 
 T = TypeVar("T")
 
@@ -66,3 +68,18 @@ def spread(work: Callable[[T], object], items: Sequence[T]) -> None:
     finally:
         for other in others:
             other.result()
+
+
+@functools.cache
+def _blas_threads() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+def one_blas_thread():
+    """A context in which numpy's BLAS runs on one thread, PyTorch's own threads unchanged.
+
+    For numpy's products of a tail call's small matrices: with more than one thread, numpy's
+    BLAS (OpenBLAS) leaves its threads spinning after each call, and PyTorch's parallel
+    operations that follow on a two-core machine wait for the core they hold (measured in
+    docs/benchmark-notes.md, "Numpy's BLAS on one thread")."""
+    return _blas_threads().limit(limits=1, user_api="blas")

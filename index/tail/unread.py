@@ -16,11 +16,10 @@ import functools
 
 import numpy as np
 import torch
-from threadpoolctl import ThreadpoolController
 
 from ..clusters import ClusterHeads, KeyClusters
 from .kernel import value_shift_sums
-from .threads import cpu_workers
+from .threads import cpu_workers, one_blas_thread
 
 SHIFT_NEGLIGIBLE = 1e-3  # the weight share of the clusters the value shift leaves out
 GATHER_SHARE = 3  # the shift gathers the clusters it keeps when they are under 1 / this share
@@ -157,22 +156,12 @@ def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tor
     ) or any(a.shape[0] > NUMPY_SHIFT_ROWS for a, _ in pairs):
         return [a @ b for a, b in pairs]
     arrays = [(a.numpy(), b.numpy()) for a, b in pairs]
-    with _one_blas_thread():
+    with one_blas_thread():
         if sum(b.nbytes for _, b in arrays) < PARALLEL_SHIFT_BYTES or len(arrays) == 1:
             found = [np.matmul(a, b) for a, b in arrays]
         else:
             found = list(cpu_workers().map(lambda pair: np.matmul(*pair), arrays))
     return [torch.from_numpy(product) for product in found]
-
-
-@functools.cache
-def _blas_threads() -> ThreadpoolController:
-    return ThreadpoolController()
-
-
-def _one_blas_thread():
-    """A context in which numpy's BLAS runs on one thread (PyTorch's own threads unchanged)."""
-    return _blas_threads().limit(limits=1, user_api="blas")
 
 
 def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
