@@ -17,7 +17,9 @@ from rewa.index import (
     tail_attention_with_reads,
 )
 from rewa.index import tail as tail_module
+from rewa.index.clusters import query_features
 from rewa.index.tail import decode as decode_module
+from rewa.index.tail import estimate as estimate_module
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
 from rewa.index.tail import unread as unread_module
@@ -141,6 +143,53 @@ def test_a_head_whose_reference_overflows_is_redone_alone(monkeypatch, name):
         assert redone and all(clusters_redone is clusters[1] for clusters_redone in redone)
     torch.testing.assert_close(out, expected[0], rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(lse, expected[1], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_estimate_equals_pytorchs(dtype, monkeypatch):
+    """The dot product's estimate with its element-wise part compiled (`kernel.
+    dot_product_estimate`) against the PyTorch operations it replaces, over stacked heads with
+    padding, for queries whose tilt the clusters' radius caps and for queries it does not."""
+    geometry = make_geometry("dot", DIM).to(dtype)
+    queries, _, _, clusters = _heads(geometry, dtype)
+    heads = ClusterHeads.stacked(clusters)
+    queries = torch.cat([queries, 8 * queries], dim=1)  # the sharp ones are capped
+    witnesses = geometry.witness(queries)
+    with torch.no_grad():
+        assert estimate_module._fused_applies(witnesses, geometry, _features(geometry, witnesses))
+        compiled = estimate_module.estimate_clusters(witnesses, heads)
+        monkeypatch.setattr(estimate_module, "_fused_applies", lambda *arguments: False)
+        expected = estimate_module.estimate_clusters(witnesses, heads)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    for found, wanted in (
+        (compiled.log_mass, expected.log_mass),
+        (compiled.floor, expected.floor),
+        (compiled.shift_terms[0][0], expected.shift_terms[0][0]),
+    ):
+        assert found.dtype == dtype
+        torch.testing.assert_close(found, wanted, rtol=tolerance, atol=tolerance)
+    assert torch.equal(compiled.shift_terms[0][1], expected.shift_terms[0][1])
+    # Both kinds of tilt occur among the real clusters: slope = scale (uncapped) and below.
+    slope, scale = expected.shift_terms[0][0], float(geometry.scale)
+    real = heads.counts.unsqueeze(1).expand_as(slope) > 0
+    assert (slope[real] < 0.99 * scale).any() and (slope[real] > 0.999 * scale).any()
+    assert torch.isneginf(compiled.log_mass[~real]).all()
+
+
+def test_the_estimate_stays_differentiable_with_autograd_on():
+    geometry = make_geometry("dot", DIM).double()
+    queries, _, _, clusters = _heads(geometry)
+    witnesses = geometry.witness(queries).requires_grad_()
+    heads = ClusterHeads.stacked(clusters)
+    assert not estimate_module._fused_applies(witnesses, geometry, _features(geometry, witnesses))
+    estimate = estimate_module.estimate_clusters(witnesses, heads)
+    real = heads.counts.unsqueeze(1).expand_as(estimate.log_mass) > 0
+    (grad,) = torch.autograd.grad(estimate.log_mass[real].sum(), witnesses)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def _features(geometry, witnesses):
+    return query_features(geometry.lift(witnesses, "query"))
 
 
 def test_stacked_selection_equals_the_selection_of_each_head():

@@ -37,6 +37,8 @@ import torch
 from rewa.attention import DotProduct, Geometry
 
 from ..clusters import ClusterHeads, KeyClusters, query_features
+from .exact import _needs_grad
+from .kernel import dot_product_estimate
 
 HERMITE_NODES = 3
 
@@ -107,6 +109,7 @@ def _estimate_heads(
     n_heads, n_queries = queries_w.shape[:2]
     n_clusters, rank = heads.n_clusters, heads.rank
     projections, moments = [], []
+    fused = _fused_applies(queries_w, geometry, features)
     for i, block in enumerate(features.slices):
         a = features.a[..., block]
         mean = torch.baddbmm(features.c[..., i : i + 1], a, heads.mean[..., block].transpose(1, 2))
@@ -115,9 +118,15 @@ def _estimate_heads(
         # length r, not over a last dimension of length r, faster on the CPU: benchmark-notes).
         factor = heads.factor_by_rank[:, block].reshape(n_heads, a.shape[-1], -1)
         projection = (a @ factor).view(n_heads, n_queries, rank, n_clusters)
+        variance = a.square() @ heads.residual[..., block].transpose(1, 2)
+        if fused:
+            log_mass, floor, slope = dot_product_estimate(
+                mean, variance, projection, a.norm(dim=-1), heads.radius[..., i],
+                log_counts.squeeze(1), float(geometry.scale),
+            )  # fmt: skip
+            return ClusterEstimate(log_mass, floor, [(slope, a)])
         # One in-place pass per rank, not square() and sum over the whole projection (faster;
         # docs/benchmark-notes.md, "Measurements behind code choices").
-        variance = a.square() @ heads.residual[..., block].transpose(1, 2)
         for r in range(rank):
             variance.addcmul_(projection[:, :, r], projection[:, :, r])
         half_width = a.norm(dim=-1, keepdim=True) * heads.radius[:, None, :, i]
@@ -144,6 +153,18 @@ def _estimate_heads(
     floor = log_counts + sum(floors)
     blocks = [features.a[..., block] for block in features.slices]
     return ClusterEstimate(total, floor, list(zip(slopes, blocks, strict=True)))
+
+
+def _fused_applies(queries_w: torch.Tensor, geometry: Geometry, features) -> bool:
+    """Whether the dot product's estimate runs its element-wise part compiled
+    (`kernel.dot_product_estimate`): one lift, on the CPU, float32 or float64, no autograd."""
+    return (
+        isinstance(geometry, DotProduct)
+        and len(features.slices) == 1
+        and queries_w.device.type == "cpu"
+        and queries_w.dtype in (torch.float32, torch.float64)
+        and not _needs_grad(queries_w, geometry)
+    )
 
 
 def log_mean_weight(

@@ -1,4 +1,5 @@
-"""Tail attention's loops for a decode step on the CPU, compiled by Numba.
+"""Tail attention's loops on the CPU, compiled by Numba: a decode step's exact part and value
+shift, and the element-wise part of the dot product's estimate.
 
 The exact part for the dot product (`dot_product_sums`): per head, one loop over the visited
 clusters that reads each cluster's keys and values once in place
@@ -16,6 +17,11 @@ The value shift of a few queries (`value_shift_sums`, any geometry): per head, o
 the clusters whose shift is kept, reading each cluster's key-value cross-covariance once in
 place for all the queries, where matrix products would first gather the kept clusters' (a
 copy) and then read them again (docs/benchmark-notes.md, "The value shift compiled").
+
+The dot product's estimate (`dot_product_estimate`, any number of queries): after its three
+matrix products, the variance, tilt, log-mass, floor and slope of every (query, cluster) in one
+pass over the products, where PyTorch's operations took a dozen passes over `(nq, nc)` tables
+(docs/benchmark-notes.md, "The estimate in one pass").
 
 Numba compiles each loop on the first call of each dtype and caches it on disk (its cache
 directory, `NUMBA_CACHE_DIR`)."""
@@ -186,6 +192,11 @@ def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
             )
         cross = np.ones((1, 2, 3), dtype)
         _compiled(_head_shift)(keys[:1], keys[:1], keys[:1], pairs, cross, 0, out)
+        table, radius = np.ones((1, 2), dtype), np.ones(2, dtype)
+        _compiled(_estimate_rows)(
+            table, table, np.ones((1, 3, 2), dtype), np.ones(1, dtype), radius, radius, 1.0,
+            table.copy(), table.copy(), table.copy(),
+        )  # fmt: skip
 
 
 def _head_shift(
@@ -246,3 +257,78 @@ def value_shift_sums(
             start += features.shape[-1]
 
     spread(shift, range(len(heads)))
+
+
+# Queries per item of `dot_product_estimate` spread over the threads.
+ESTIMATE_ROWS_PER_ITEM = 128
+
+
+def _estimate_rows(
+    mean: np.ndarray,
+    variance: np.ndarray,
+    projection: np.ndarray,
+    norm: np.ndarray,
+    radius: np.ndarray,
+    log_count: np.ndarray,
+    scale: float,
+    log_mass: np.ndarray,
+    floor: np.ndarray,
+    slope: np.ndarray,
+) -> None:
+    """`estimate._dot_product_estimate` and what `estimate._estimate_heads` makes of it, for
+    the rows of one head: from the similarities' means `(nq, nc)`, the variances' diagonal
+    part `(nq, nc)` and the projections on the factors `(nq, r, nc)`, with the queries' norms
+    `(nq,)`, the clusters' radii and log-counts `(nc,)`, writes the `log_mass`, `floor` and
+    `slope` `(nq, nc)`. In the operations' order of the PyTorch code it replaces. Run
+    compiled: `_compiled`."""
+    n_queries, n_clusters = mean.shape
+    rank = projection.shape[1]
+    tiny = np.finfo(mean.dtype).tiny
+    total = np.empty(n_clusters, mean.dtype)
+    for q in range(n_queries):
+        # Loops over the clusters innermost, so that they run in vector lanes.
+        for c in range(n_clusters):
+            total[c] = variance[q, c]
+        for r in range(rank):
+            for c in range(n_clusters):
+                total[c] += projection[q, r, c] * projection[q, r, c]
+        half_width = norm[q]
+        for c in range(n_clusters):
+            tilt = min(scale * total[c], half_width * radius[c])
+            log_mass[q, c] = (mean[q, c] + 0.5 * tilt) * scale + log_count[c]
+            floor[q, c] = log_count[c] + mean[q, c] * scale
+            slope[q, c] = tilt / max(total[c], tiny)
+
+
+def dot_product_estimate(
+    mean: torch.Tensor,
+    variance: torch.Tensor,
+    projection: torch.Tensor,
+    norm: torch.Tensor,
+    radius: torch.Tensor,
+    log_counts: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(log_mass, floor, slope)` `(H, nq, C)` of the dot product's estimate from the heads'
+    similarity means and diagonal variances `(H, nq, C)`, projections `(H, nq, r, C)`, query
+    norms `(H, nq)`, radii and log-counts `(H, C)` (`_estimate_rows`), the rows spread over
+    PyTorch's number of threads. No autograd; CPU float32 or float64 tensors of one dtype."""
+    n_heads, n_queries = mean.shape[:2]
+    outputs = [torch.empty_like(mean) for _ in range(3)]
+    tables = (mean, variance, projection, norm, radius, log_counts)
+    arrays = [t.contiguous().numpy() for t in tables]
+    written = [t.numpy() for t in outputs]
+    estimate_rows = _compiled(_estimate_rows)
+
+    def rows(item: tuple[int, int]) -> None:
+        head, start = item
+        own = slice(start, start + ESTIMATE_ROWS_PER_ITEM)
+        mean_h, variance_h, projection_h, norm_h, radius_h, log_count_h = (t[head] for t in arrays)
+        estimate_rows(
+            mean_h[own], variance_h[own], projection_h[own], norm_h[own], radius_h, log_count_h,
+            scale, *(t[head, own] for t in written),
+        )  # fmt: skip
+
+    items = [(h, s) for h in range(n_heads) for s in range(0, n_queries, ESTIMATE_ROWS_PER_ITEM)]
+    spread(rows, items)
+    return tuple(outputs)
