@@ -206,20 +206,27 @@ def test_tail_beats_exact_only_sparse_attention_at_the_same_keys_read(make_data)
     assert results[True]["lse_abs_err_median"] < results[False]["lse_abs_err_median"]
 
 
-def test_the_value_shift_runs_in_bfloat16_only_on_hardware_that_multiplies_it_natively(
+def test_the_value_shift_runs_in_bfloat16_only_on_a_gpu_that_multiplies_it_natively(
     monkeypatch,
 ):
+    """On the CPU the shift keeps the context's dtype, also where the CPU multiplies bfloat16:
+    a decode step's compiled shift runs in it, and a query must get the same answer alone and
+    in a batch."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(unread_module, "cpu_multiplies_bfloat16", lambda: True)
-    assert shift_dtype(torch.float32, cpu) == torch.bfloat16
-    assert shift_dtype(torch.float64, cpu) == torch.float64  # exactness tests stay exact
-    monkeypatch.setattr(unread_module, "cpu_multiplies_bfloat16", lambda: False)
     assert shift_dtype(torch.float32, cpu) == torch.float32
+    assert shift_dtype(torch.float64, cpu) == torch.float64
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
     assert shift_dtype(torch.float32, cuda) == torch.bfloat16
+    assert shift_dtype(torch.float64, cuda) == torch.float64  # exactness tests stay exact
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: False)
     assert shift_dtype(torch.float32, cuda) == torch.float32
-    assert shift_dtype(torch.float64, cuda) == torch.float64
+
+
+def _bfloat16_shift(bfloat16: bool):
+    """A `shift_dtype` that picks bfloat16 for float32 (as on a GPU) or never."""
+    if not bfloat16:
+        return lambda dtype, device: dtype
+    return lambda dtype, device: torch.bfloat16 if dtype == torch.float32 else dtype
 
 
 def test_a_bfloat16_value_shift_changes_the_output_by_far_less_than_the_estimates_error(
@@ -242,11 +249,7 @@ def test_a_bfloat16_value_shift_changes_the_output_by_far_less_than_the_estimate
         clusters = KeyClusters.build(g.witness(k), v, g, n_clusters=64)
         results = {}
         for native_bf16 in (False, True):
-            monkeypatch.setattr(
-                unread_module,
-                "cpu_multiplies_bfloat16",
-                lambda native_bf16=native_bf16: native_bf16,
-            )
+            monkeypatch.setattr(unread_module, "shift_dtype", _bfloat16_shift(native_bf16))
             results[native_bf16] = tail_attention(q, clusters, budget=0.02)
         exact_only, _ = tail_attention(q, clusters, budget=0.02, tail=False)
     (out32, lse32), (out16, lse16) = results[False], results[True]
@@ -307,9 +310,7 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
     clusters = _clusters(k, v, g, n_clusters=20)
     gradients = {}
     for native_bf16 in (False, True):
-        monkeypatch.setattr(
-            unread_module, "cpu_multiplies_bfloat16", lambda native_bf16=native_bf16: native_bf16
-        )
+        monkeypatch.setattr(unread_module, "shift_dtype", _bfloat16_shift(native_bf16))
         queries = q.clone().requires_grad_()
         out, lse = tail_attention(queries, clusters, budget=0.05)
         (gradients[native_bf16],) = torch.autograd.grad(out.square().sum() + lse.sum(), queries)

@@ -32,14 +32,13 @@ from .decode import compiled_step_applies, decode_step
 from .estimate import ClusterEstimate, estimate_clusters
 from .exact import _largest_logit_estimate, _visited_apart
 from .selection import select_clusters
-from .unread import _tail_estimate, cpu_multiplies_bfloat16, shift_dtype
+from .unread import _tail_estimate, shift_dtype
 
 __all__ = [
     "ClusterEstimate",
     "TailAttention",
     "TailOptions",
     "calibrated",
-    "cpu_multiplies_bfloat16",
     "default_query_block",
     "estimate_clusters",
     "select_clusters",

@@ -8,11 +8,9 @@ tilted mean of jointly Gaussian `(s, v)`: docs/mathematics.md 6's first-order `m
 sqrt(d)`, with the full key-value cross-covariance `Cov(v, s_i) = Cov(b, v)^T a_i`. Summed over
 clusters with the tail weights w, the shift is `sum_i a_i^T (sum_c w_c g_ic Cov_c(b_i, v))`: one
 `(nq, nc) @ (nc, D_i dv)` matrix product per lift, no `(nq, nc, .)` tensor; it runs in
-bfloat16 for float32 contexts on hardware that multiplies bfloat16 natively (`shift_dtype`)."""
+bfloat16 for float32 contexts on a CUDA GPU that multiplies it natively (`shift_dtype`)."""
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -166,24 +164,15 @@ def _matrix_products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tor
 
 def shift_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of the value shift's matrix product for a float `dtype` context on `device`:
-    bfloat16 for float32 where the hardware multiplies bfloat16 matrices natively (a CUDA GPU
-    that supports it, a CPU with AMX tiles or AVX-512 BF16 dot products), else `dtype` itself
+    bfloat16 for float32 on a CUDA GPU that multiplies it natively, else `dtype` itself
     (float64 stays exact).
 
     The shift is a first-order correction of the estimated clusters' value means, so
     bfloat16's 8-bit mantissa costs it a relative 2^-8 or so of a term that is itself a
-    fraction of the output, and the product runs 2-4x faster where the hardware multiplies
-    bfloat16 (docs/benchmark-notes.md, "Measurements behind code choices")."""
-    if dtype != torch.float32:
-        return dtype
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else dtype
-    return torch.bfloat16 if device.type == "cpu" and cpu_multiplies_bfloat16() else dtype
-
-
-@functools.cache
-def cpu_multiplies_bfloat16() -> bool:
-    """Whether this CPU has instructions that multiply bfloat16 natively (AMX tiles or AVX-512
-    BF16): oneDNN then multiplies bfloat16 matrices faster than float32 ones."""
-    checks = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
+    fraction of the output. On the CPU the shift stays in the context's dtype even where the
+    CPU multiplies bfloat16 (AMX, AVX-512 BF16): a decode step's compiled shift computes it
+    in that dtype, and a query's answer must not depend on whether it came alone or in a
+    batch (docs/benchmark-notes.md, "The value shift in the context's dtype on the CPU")."""
+    if dtype == torch.float32 and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return dtype
