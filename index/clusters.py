@@ -652,7 +652,7 @@ def _batch_statistics(
     mu, m = b.sum(1, keepdim=True) / size, v.sum(1, keepdim=True) / size
     centred, centred_v = (b - mu) * present, (v - m) * present
     covariance = centred.transpose(1, 2) @ centred / size
-    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)  # ascending
+    eigenvalues, eigenvectors = _eigh(covariance)  # ascending
     top = eigenvectors[..., dim - rank :]
     # An eigenvector's sign is arbitrary; fixed (its largest component positive) so that the
     # same cluster gets the same factor in any batch.
@@ -667,6 +667,28 @@ def _batch_statistics(
         "value_mean": m.squeeze(1),
         "value_cross": centred.transpose(1, 2) @ centred_v / size,
     }
+
+
+def _eigh(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.linalg.eigh` of a batch of covariances `(nb, D, D)`, each scaled first by the
+    power of two nearest its trace (exact, so the answer is the same for a cluster in any
+    batch), and with zero eigenvalues and the identity for one whose answer is still not
+    finite.
+
+    LAPACK's float32 solver returned NaN eigenvectors for the covariance of 12 identical keys
+    (MiniLM's layer 0), whose entries are rounding noise of about 1e-14; that cluster's factor
+    and residual were NaN, and so was every output of a query that estimated it
+    (tests/test_tail.py, `test_a_cluster_of_identical_keys_has_finite_statistics`)."""
+    trace = covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
+    scale = torch.where(trace > 0, torch.exp2(torch.log2(trace).round()), torch.ones_like(trace))
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance / scale[:, None, None])
+    eigenvalues = eigenvalues * scale[:, None]
+    failed = ~(torch.isfinite(eigenvalues).all(-1) & torch.isfinite(eigenvectors).all((-2, -1)))
+    if failed.any():
+        identity = torch.eye(covariance.shape[-1], dtype=covariance.dtype, device=covariance.device)
+        eigenvalues = eigenvalues.masked_fill(failed[:, None], 0)
+        eigenvectors = torch.where(failed[:, None, None], identity, eigenvectors)
+    return eigenvalues, eigenvectors
 
 
 def _lift_blocks(lifts: list[Lift]) -> list[slice]:

@@ -20,6 +20,7 @@ from rewa.index import (
     tail_attention,
     tail_attention_with_reads,
 )
+from rewa.index.clusters import _batch_statistics
 from rewa.index.tail import default_query_block, select_clusters, shift_dtype
 from rewa.index.tail import unread as unread_module
 from rewa.index.tail.exact import (
@@ -33,6 +34,43 @@ from rewa.index.tail.selection import MAX_ARGMAX_WIDTH, _most_massive
 from tests.support import GEOMETRY_NAMES, build_geometry
 
 TAIL_GEOMETRIES = ["dot", "euclidean", "sphere", "poincare", "kappa", "product"]
+
+
+# A key that 12 tokens of MiniLM's layer 0 share (head 8, float32).
+SHARED_KEY = [
+    2.783693552017212,
+    -1.3515067100524902,
+    -1.5980989933013916,
+    -0.1678709238767624,
+    -0.7968242764472961,
+    1.1478990316390991,
+    0.558678388595581,
+    0.6871234178543091,
+    -0.745476245880127,
+    0.5544315576553345,
+    2.8982083797454834,
+    -2.454514980316162,
+    1.0853325128555298,
+    1.4613651037216187,
+    -1.4593546390533447,
+    0.4255824089050293,
+    2.842073678970337,
+    -0.19922152161598206,
+    0.7742428183555603,
+    0.5956282615661621,
+    1.0892069339752197,
+    1.2481935024261475,
+    -2.0727391242980957,
+    1.4067448377609253,
+    2.0397462844848633,
+    2.230895757675171,
+    -0.060494571924209595,
+    0.9570258259773254,
+    0.22985927760601044,
+    -2.5958974361419678,
+    -0.7737032771110535,
+    1.4220484495162964,
+]
 
 
 def _inputs(n_keys=400, n_queries=30, dim=8, dv=5, seed=0):
@@ -542,3 +580,61 @@ def test_reading_far_keys_exactly_lowers_the_error_of_heavy_tailed_clusters():
     assert errors[0.01]["keys_read_frac"] <= errors[0.0]["keys_read_frac"] <= 0.05
     assert errors[0.01]["err_median"] < 0.5 * errors[0.0]["err_median"]
     assert errors[0.01]["lse_abs_err_median"] < 0.5 * errors[0.0]["lse_abs_err_median"]
+
+
+def test_a_cluster_of_identical_keys_has_finite_statistics():
+    """LAPACK's float32 eigh answered NaN eigenvectors for the covariance of 12 copies of
+    `SHARED_KEY` (rounding noise of about 1e-14): that cluster's factor and residual were NaN,
+    and so was the output of every query that estimated it (benchmarks/minilm_layers.py
+    stopped on it)."""
+    shared = torch.tensor(SHARED_KEY).expand(12, -1)
+    values = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    found = _batch_statistics(
+        shared, values, torch.tensor([0]), torch.tensor([12]), 16, [slice(0, 32)], 4
+    )
+    for name, statistic in found.items():
+        assert torch.isfinite(statistic).all(), name
+    assert found["factor"].abs().max() < 1e-6 and found["residual"].abs().max() < 1e-12
+    # In a context: queries that estimate the cluster get finite answers.
+    generator = torch.Generator().manual_seed(0)
+    blobs = 12 * torch.randn(7, 32, generator=generator)
+    others = blobs.repeat_interleave(60, 0) + torch.randn(420, 32, generator=generator)
+    keys = torch.cat([shared, others])
+    g = make_geometry("dot", 32)
+    clusters = KeyClusters.build(
+        keys, torch.randn(len(keys), 4, generator=generator), g, n_clusters=16, outliers=0.0
+    )
+    own = [
+        c
+        for c in range(clusters.n_clusters)
+        if (clusters.keys_w[clusters.offsets[c] : clusters.offsets[c + 1]] == shared[0]).all()
+    ]
+    assert len(own) == 1 and int(clusters.counts[own[0]]) == 12
+    assert torch.isfinite(clusters.factor).all() and torch.isfinite(clusters.residual).all()
+    out, lse = tail_attention(others[::40] / 4, clusters, budget=0.05)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_a_covariance_whose_eigenvectors_are_not_finite_gets_no_factor(monkeypatch):
+    """`_eigh`'s last resort: where the solver still answers something not finite, zero
+    eigenvalues and the identity, so that the cluster's factor is 0 and its residual holds its
+    whole variance."""
+    eigh = torch.linalg.eigh
+
+    def failing(matrices):
+        eigenvalues, eigenvectors = eigh(matrices)
+        return eigenvalues, eigenvectors.index_fill(0, torch.tensor([1]), float("nan"))
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(24, 6, generator=generator, dtype=torch.float64)
+    found = _batch_statistics(
+        features, features[:, :2], torch.tensor([0, 8, 16]), torch.tensor([8, 8, 8]), 8,
+        [slice(0, 6)], 2,
+    )  # fmt: skip
+    for statistic in found.values():
+        assert torch.isfinite(statistic).all()
+    assert (found["factor"][1] == 0).all() and (found["factor"][[0, 2]] != 0).any()
+    centred = features[8:16] - features[8:16].mean(0)
+    variance = centred.square().mean(0)
+    torch.testing.assert_close(found["residual"][1], variance)
