@@ -36,7 +36,7 @@ import torch
 
 from rewa.attention import DotProduct, Geometry
 
-from ..clusters import ClusterHeads, KeyClusters, query_features
+from ..clusters import ClusterHeads, KeyClusters, QueryFeatures, query_features
 from .exact import _needs_grad
 from .kernel import dot_product_estimate
 
@@ -124,7 +124,7 @@ def _estimate_heads(
                 mean, variance, projection, a.norm(dim=-1), heads.radius[..., i],
                 log_counts.squeeze(1), float(geometry.scale),
             )  # fmt: skip
-            return ClusterEstimate(log_mass, floor, [(slope, a)])
+            return ClusterEstimate(log_mass, floor, [(slope, a)])  # its one lift
         # One in-place pass per rank, not square() and sum over the whole projection (faster;
         # docs/benchmark-notes.md, "Measurements behind code choices").
         for r in range(rank):
@@ -155,7 +155,7 @@ def _estimate_heads(
     return ClusterEstimate(total, floor, list(zip(slopes, blocks, strict=True)))
 
 
-def _fused_applies(queries_w: torch.Tensor, geometry: Geometry, features) -> bool:
+def _fused_applies(queries_w: torch.Tensor, geometry: Geometry, features: QueryFeatures) -> bool:
     """Whether the dot product's estimate runs its element-wise part compiled
     (`kernel.dot_product_estimate`): one lift, on the CPU, float32 or float64, no autograd."""
     return (

@@ -279,8 +279,8 @@ def _estimate_rows(
     the rows of one head: from the similarities' means `(nq, nc)`, the variances' diagonal
     part `(nq, nc)` and the projections on the factors `(nq, r, nc)`, with the queries' norms
     `(nq,)`, the clusters' radii and log-counts `(nc,)`, writes the `log_mass`, `floor` and
-    `slope` `(nq, nc)`. In the operations' order of the PyTorch code it replaces. Run
-    compiled: `_compiled`."""
+    `slope` `(nq, nc)`, in the order of the PyTorch operations it replaces (equal to them up
+    to rounding: multiplies and adds may fuse). Run compiled: `_compiled`."""
     n_queries, n_clusters = mean.shape
     rank = projection.shape[1]
     tiny = np.finfo(mean.dtype).tiny
