@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from rewa.attention import make_geometry
 from rewa.index import ClusterHeads, KeyClusters, tail_attention, tail_attention_heads
@@ -273,29 +274,34 @@ def test_background_threads_run_pytorch_on_one_thread_each():
     assert torch.get_num_threads() == before
 
 
-def _blas_threads() -> set[int]:
-    from threadpoolctl import threadpool_info
-
-    return {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+def _blas_thread_counts() -> set[int]:
+    """The thread counts of numpy's own BLAS (other libraries, FAISS's, may load one too)."""
+    found = {
+        info["num_threads"]
+        for info in threadpool_info()
+        if info["user_api"] == "blas" and "numpy" in info["filepath"]
+    }
+    assert found  # numpy's BLAS is loaded
+    return found
 
 
 def test_numpys_blas_runs_on_one_thread_within_one_blas_thread():
-    before = _blas_threads()
-    assert before  # numpy's BLAS is loaded
-    with one_blas_thread():
-        assert _blas_threads() == {1}
-    assert _blas_threads() == before
+    with threadpool_limits(limits=2, user_api="blas"):  # more than one, on any machine
+        assert _blas_thread_counts() == {2}
+        with one_blas_thread():
+            assert _blas_thread_counts() == {1}
+        assert _blas_thread_counts() == {2}
 
 
 def test_the_exact_parts_numpy_products_run_on_one_blas_thread(monkeypatch):
     """Many queries per cluster: the exact part's products per cluster in numpy, every one of
     them with numpy's BLAS on one thread (its spinning threads slowed PyTorch's next
-    operations)."""
+    operations), whatever the process set."""
     threads_seen = []
     matmul = exact_module.np.matmul
 
     def watched(*arguments, **options):
-        threads_seen.append(_blas_threads())
+        threads_seen.append(_blas_thread_counts())
         return matmul(*arguments, **options)
 
     geometry = make_geometry("dot", 8).double()
@@ -305,6 +311,6 @@ def test_the_exact_parts_numpy_products_run_on_one_blas_thread(monkeypatch):
     clusters = KeyClusters.build(keys, values, geometry)
     queries = torch.randn(400, 8, generator=generator, dtype=torch.float64)
     monkeypatch.setattr(exact_module.np, "matmul", watched)
-    with torch.no_grad():
+    with torch.no_grad(), threadpool_limits(limits=2, user_api="blas"):
         tail_attention(queries, clusters, budget=0.05)
     assert threads_seen and all(seen == {1} for seen in threads_seen)

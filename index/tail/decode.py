@@ -13,10 +13,10 @@ the function releases the GIL). `tail_attention_heads_with_reads` takes this pat
 that both give the same answers.
 
 What each stage computes is the docstring of its module: `estimate._estimate_heads` and
-`_dot_product_estimate` (closed form), `selection.select_clusters`, `exact._visited_apart`
-(the outlier clusters apart) with `kernel._head_sums`, `calibration.calibrated`,
-`unread._tail_estimate` with `kernel._head_shift`; the parts are merged as `merge_attention`
-merges them."""
+`_dot_product_estimate` (closed form, through the batched stages' `kernel._estimate_rows`),
+`selection.select_clusters`, `exact._visited_apart` (the outlier clusters apart) with
+`kernel._head_sums`, `calibration.calibrated`, `unread._tail_estimate` with
+`kernel._head_shift`; the parts are merged as `merge_attention` merges them."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from rewa.attention import DotProduct
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
 from .exact import _needs_grad
-from .kernel import _compiled, _head_shift, _head_sums
+from .kernel import _compiled, _estimate_rows, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
 from .selection import average_size, walk_width
 from .threads import spread
@@ -45,7 +45,7 @@ COMPILED_STEP_ROWS = 8
 # resolves the functions a compiled function calls when it compiles it).
 _estimate_compiled = _select_compiled = _exact_compiled = None
 _calibration_compiled = _unread_compiled = _merge_compiled = None
-_head_sums_compiled = _head_shift_compiled = None
+_head_sums_compiled = _head_shift_compiled = _estimate_rows_compiled = None
 
 
 def compiled_step_applies(
@@ -134,8 +134,9 @@ def _compiled_step():
     """`_decode_head` compiled (`kernel._compiled`), with the loops it calls."""
     global _estimate_compiled, _select_compiled, _exact_compiled
     global _calibration_compiled, _unread_compiled, _merge_compiled
-    global _head_sums_compiled, _head_shift_compiled
+    global _head_sums_compiled, _head_shift_compiled, _estimate_rows_compiled
     _head_sums_compiled = _compiled(_head_sums)
+    _estimate_rows_compiled = _compiled(_estimate_rows)
     _head_shift_compiled = _compiled(_head_shift)
     _estimate_compiled = _compiled(_estimate)
     _select_compiled = _compiled(_select)
@@ -209,12 +210,13 @@ def _decode_head(
 def _estimate(queries, scale, counts, mean, residual, factor, radius, log_mass, floor, slope):
     """Every cluster's estimate for every query, `(nq, nc)` each (estimate._estimate_heads and
     _dot_product_estimate, closed form): `log_mass`, its `floor` at zero variance and the
-    value shift's `slope`. The variance goes through the factors of rank r, `factor` `(d, r,
-    C)` contiguous over the clusters, so that the projections run in vector lanes; each row of
-    statistics is read once for all the queries."""
+    value shift's `slope`. The similarities' means, the variances' diagonal part and the
+    projections on the factors of rank r are made here, each row of statistics read once for
+    all the queries (`factor` `(d, r, C)` contiguous over the clusters, so that the projections
+    run in vector lanes); the closed form from them is the batched stages' compiled pass
+    (`kernel._estimate_rows`)."""
     n_queries, dim = queries.shape
     n_clusters, rank = counts.shape[0], factor.shape[1]
-    tiny = np.finfo(log_mass.dtype).tiny
     projection = np.zeros((n_queries, rank, n_clusters), log_mass.dtype)
     for t in range(dim):
         for r in range(rank):
@@ -228,20 +230,22 @@ def _estimate(queries, scale, counts, mean, residual, factor, radius, log_mass, 
         for t in range(1, dim):
             squares += queries[q, t] * queries[q, t]
         norm[q] = np.sqrt(squares)
+    similarity = np.empty((n_queries, n_clusters), log_mass.dtype)
+    diagonal = np.empty((n_queries, n_clusters), log_mass.dtype)
+    log_count = np.empty(n_clusters, log_mass.dtype)
     for c in range(n_clusters):
-        log_count = np.log(counts[c]) if counts[c] > 0 else -np.inf
+        log_count[c] = np.log(counts[c]) if counts[c] > 0 else -np.inf
         for q in range(n_queries):
-            similarity = queries[q, 0] * mean[c, 0]
+            mean_logit = queries[q, 0] * mean[c, 0]
             variance = queries[q, 0] * queries[q, 0] * residual[c, 0]
             for t in range(1, dim):
-                similarity += queries[q, t] * mean[c, t]
+                mean_logit += queries[q, t] * mean[c, t]
                 variance += queries[q, t] * queries[q, t] * residual[c, t]
-            for r in range(rank):
-                variance += projection[q, r, c] * projection[q, r, c]
-            tilt = min(scale * variance, norm[q] * radius[c, 0])
-            log_mass[q, c] = (similarity + 0.5 * tilt) * scale + log_count
-            floor[q, c] = log_count + similarity * scale
-            slope[q, c] = tilt / max(variance, tiny)
+            similarity[q, c], diagonal[q, c] = mean_logit, variance
+    _estimate_rows_compiled(
+        similarity, diagonal, projection, norm, radius[:, 0], log_count, scale, log_mass, floor,
+        slope,
+    )  # fmt: skip
 
 
 def _select(
