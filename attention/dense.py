@@ -22,13 +22,13 @@ from .dot import DotProduct
 from .geometry import Geometry, ScoreTerm, check_attention_inputs
 from .numerics import (
     NearScreen,
+    NearScreens,
     Stage,
     apply_stages_,
     compute_dtype,
     exp2_of_shifted_,
     exp_of_shifted_,
     near_pairs,
-    near_screen,
     refine_near_pairs,
     screened_row_minima,
     with_pairs_recomputed,
@@ -190,6 +190,14 @@ def _key_limit(causal: bool, q_end: int, n_keys: int, offset: int) -> int:
     return min(n_keys, q_end + offset) if causal else n_keys
 
 
+def _masks_tile(
+    mask: torch.Tensor | None, causal: bool, rows: slice, cols: slice, offset: int
+) -> bool:
+    """Whether `_mask_tile` changes a tile: a user mask, or a causal tile that reaches past a
+    query's position."""
+    return mask is not None or (causal and cols.stop - 1 > rows.start + offset)
+
+
 def _mask_tile(
     logits: torch.Tensor,
     mask: torch.Tensor | None,
@@ -211,7 +219,7 @@ def _mask_tile(
             logits = logits.masked_fill(~tile, float("-inf"))
         else:
             logits = logits.add(tile.to(logits.dtype), alpha=unit)
-    if causal and cols.stop - 1 > rows.start + offset:
+    if _masks_tile(None, causal, rows, cols, offset):
         query = torch.arange(rows.start, rows.stop, device=logits.device).unsqueeze(-1)
         key = torch.arange(cols.start, cols.stop, device=logits.device)
         logits = logits.masked_fill(key > query + offset, float("-inf"))
@@ -241,21 +249,36 @@ def _tile_logits(
     kw: torch.Tensor,
     geometry: Geometry,
     terms: list[ScoreTerm] | None,
+    screens: list[NearScreens | None] | None,
     rows: slice,
     cols: slice,
-    compile_tiles: bool = False,
 ) -> torch.Tensor:
     """Logits of one tile in base-2 units (`log2(e)` times the geometry's): from the product
-    form (`_base2_terms`) when the geometry has one, one matrix product per term and the terms'
-    element-wise work (`combine_terms_`; compiled where `compile_tiles` and the kernel is
-    ready, `_compiled_tile_logits`), else from `geometry.score`."""
+    form (`_base2_terms`) when the geometry has one (`_combined_logits`), else from
+    `geometry.score`."""
     if terms is None:
         return geometry.score(qw[..., rows, :], kw[..., cols, :]).mul_(LOG2E)
-    products = [
+    return _combined_logits(_tile_products(terms, rows, cols), terms, screens, rows, cols)
+
+
+def _tile_products(terms: list[ScoreTerm], rows: slice, cols: slice) -> list[torch.Tensor]:
+    """One matrix product per term of the product form, for one tile."""
+    return [
         term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2) for term in terms
     ]
-    if compile_tiles:
-        logits = _compiled_tile_logits(products, terms, rows, cols)
+
+
+def _combined_logits(
+    products: list[torch.Tensor],
+    terms: list[ScoreTerm],
+    screens: list[NearScreens | None] | None,
+    rows: slice,
+    cols: slice,
+) -> torch.Tensor:
+    """The terms' element-wise work on a tile's `products` (`combine_terms_`; compiled where
+    the call compiles its tiles, `screens` given, and the kernel is ready: `_compiled_tile`)."""
+    if screens is not None:
+        logits = _compiled_tile(products, terms, screens, rows, cols)
         if logits is not None:
             return logits
     products = [
@@ -265,38 +288,101 @@ def _tile_logits(
     return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
 
 
-def _compiled_tile_logits(
-    products: list[torch.Tensor], terms: list[ScoreTerm], rows: slice, cols: slice
-) -> torch.Tensor | None:
+def _tile_step(
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    geometry: Geometry,
+    terms: list[ScoreTerm] | None,
+    mask: torch.Tensor | None,
+    causal: bool,
+    rows: slice,
+    cols: slice,
+    offset: int,
+    running_max: torch.Tensor,
+    screens: list[NearScreens | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key tile of the online softmax (`softmax_step`) from the tile's logits. A tile of a
+    product form that no mask touches runs the logits and the softmax step as one compiled
+    kernel where it is ready (`_compiled_tile`), else as two (the logits' and the step's). The
+    call compiles its tiles where `screens` (`_near_screens`) are given."""
+    masked = mask is not None or causal
+    if (
+        terms is not None
+        and screens is not None
+        and not _masks_tile(mask, causal, rows, cols, offset)
+    ):
+        products = _tile_products(terms, rows, cols)
+        step = _compiled_tile(products, terms, screens, rows, cols, (running_max, masked))
+        if step is not None:
+            return step
+        # Uncompiled while the kernel compiles: starting the two-kernel path's compilations too
+        # would cost their time and memory for kernels unmasked tiles never use.
+        logits = _combined_logits(products, terms, None, rows, cols)
+        return softmax_step(logits, running_max, masked)
+    logits = _tile_logits(qw, kw, geometry, terms, screens, rows, cols)
+    logits = _mask_tile(logits, mask, causal, rows, cols, offset, LOG2E)
+    return _softmax_step(logits, running_max, masked, screens is not None)
+
+
+def _compiled_tile(
+    products: list[torch.Tensor],
+    terms: list[ScoreTerm],
+    screens: list[NearScreens | None],
+    rows: slice,
+    cols: slice,
+    softmax: tuple[torch.Tensor, bool] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """`combine_terms_` compiled (attention/cpu_kernel.py), with the near-pair screen's row
-    minima (`numerics.screened_row_minima`) computed by the same kernel; a tile with near pairs
-    (rare: nearly coincident points) has them recomputed and is combined again. None where the
-    kernel is not ready (its compilation then starts)."""
+    minima (`numerics.screened_row_minima`) computed by the same kernel: the logits, or where
+    `softmax` gives the running maximum and whether logits may be masked, the online-softmax
+    step of them (`softmax_step`) from the same kernel. A tile with near pairs (rare: nearly
+    coincident points) has them recomputed and is combined again. None where the kernel is not
+    ready (its compilation then starts)."""
     shape = torch.broadcast_shapes(*(product.shape for product in products))
     batch = shape[:-2]
-    nears = [None if term.near is None else term.near.rows(rows, cols) for term in terms]
     dtype = products[0].dtype
-    screens = [None if near is None else near_screen(shape, *near, dtype) for near in nears]
+    tile_screens = [None if s is None else s.tile(shape, rows, cols) for s in screens]
     stages = [term.stages for term in terms]
     weights = [_tile_layout(torch.as_tensor(term.weight, dtype=dtype), batch, 1) for term in terms]
-    scales = [None if screen is None else _flat_column_scale(screen, shape) for screen in screens]
+    scales = [None if s is None else _flat_column_scale(s, shape) for s in tile_screens]
     operands = (_flat_products(products, shape), stages, weights, scales)
     key = cpu_kernel.signature(stages, dtype)
-    kernel = cpu_kernel.compiled(_combine_and_screen, key, *operands)
+    function = _combine_and_screen
+    if softmax is not None:
+        running_max, may_be_masked = softmax
+        operands += (running_max.reshape(-1, shape[-2]), may_be_masked)
+        key = ("combine_softmax_step", may_be_masked, *key)
+        function = _combine_softmax_and_screen
+    kernel = cpu_kernel.compiled(function, key, *operands)
     if kernel is None:
         return None
-    logits, minima = kernel(*operands)
+    result, minima = kernel(*operands)
     refined = False
-    for i, (screen, near) in enumerate(zip(screens, nears, strict=True)):
+    for i, (screen, term) in enumerate(zip(tile_screens, terms, strict=True)):
         if screen is None:
             continue
         index = near_pairs(products[i].expand(shape), minima[i].reshape(*batch, -1), screen)
         if index is not None:
+            near = term.near.rows(rows, cols)
             products[i] = with_pairs_recomputed(products[i].expand(shape), index, *near)
             refined = True
     if refined:
-        logits = kernel(_flat_products(products, shape), stages, weights, scales)[0]
-    return logits.reshape(shape)
+        result = kernel(_flat_products(products, shape), *operands[1:])[0]
+    if softmax is None:
+        return result.reshape(shape)
+    weights_tile, row_sums, new_max, rescale = result
+    return (
+        weights_tile.reshape(shape),
+        *(part.reshape(*batch, shape[-2]) for part in (row_sums, new_max, rescale)),
+    )
+
+
+def _near_screens(terms: list[ScoreTerm]) -> list[NearScreens | None]:
+    """Each term's near-pair screens (`numerics.NearScreens`, None for a term without near
+    pairs), made once per call for the compiled tiles."""
+    return [
+        None if term.near is None else NearScreens(*term.near, term.queries.dtype) for term in terms
+    ]
 
 
 def _flat_products(products: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
@@ -336,6 +422,20 @@ def _combine_and_screen(
     ]
     logits = combine_terms_([product.clone() for product in products], stages, weights)
     return logits, minima
+
+
+def _combine_softmax_and_screen(
+    products: list[torch.Tensor],
+    stages: list[tuple[Stage, ...]],
+    weights: list[torch.Tensor],
+    column_scales: list[torch.Tensor | None],
+    running_max: torch.Tensor,
+    may_be_masked: bool,
+) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor | None]]:
+    """`_combine_and_screen` and then `softmax_step` of its logits: what `cpu_kernel` compiles
+    for a tile that no mask touches (one kernel call instead of two)."""
+    logits, minima = _combine_and_screen(products, stages, weights, column_scales)
+    return softmax_step(logits, running_max, may_be_masked), minima
 
 
 def combine_terms_(
@@ -410,13 +510,12 @@ def _tiled_forward(
     FlashAttention); `lse` is returned in nats."""
     n_queries, n_keys = qw.shape[-2], kw.shape[-2]
     offset = n_keys - n_queries
-    masked = mask is not None or causal
     batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
     out = qw.new_zeros(*batch, n_queries, v.shape[-1])
     lse = qw.new_full((*batch, n_queries), float("-inf"))
     n_logits = math.prod(batch) * n_queries * n_keys
     stages = None if terms is None else [term.stages for term in terms]
-    compile_tiles = cpu_kernel.applies(qw, stages, n_logits)
+    screens = _near_screens(terms) if cpu_kernel.applies(qw, stages, n_logits) else None
     for q_start in range(0, n_queries, q_chunk):
         rows = slice(q_start, min(q_start + q_chunk, n_queries))
         running_max = qw.new_full((*batch, rows.stop - rows.start), float("-inf"))
@@ -424,9 +523,9 @@ def _tiled_forward(
         acc = qw.new_zeros(*batch, rows.stop - rows.start, v.shape[-1])
         for k_start in range(0, _key_limit(causal, rows.stop, n_keys, offset), k_chunk):
             cols = slice(k_start, min(k_start + k_chunk, n_keys))
-            logits = _tile_logits(qw, kw, geometry, terms, rows, cols, compile_tiles)
-            logits = _mask_tile(logits, mask, causal, rows, cols, offset, LOG2E)
-            step = _softmax_step(logits, running_max, masked, compile_tiles)
+            step = _tile_step(
+                qw, kw, geometry, terms, mask, causal, rows, cols, offset, running_max, screens
+            )  # fmt: skip
             weights, row_sums, running_max, rescale = step
             total = total * rescale + row_sums
             acc = acc * rescale.unsqueeze(-1) + weights @ v[..., cols, :]

@@ -164,26 +164,70 @@ def near_screen(
     dtype: torch.dtype,
 ) -> NearScreen:
     """The screen of the entries of a `shape (..., n, m)` matrix below `NEAR_TOLERANCE` times
-    their rounding bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)`: the row's largest
-    bound, after dividing out the column weights where they differ by more than
-    `WEIGHT_SPREAD` (as a product with their reciprocals, a division costing several times
-    more on CPUs; the bound is widened by a few roundings for the two results that may differ by
-    one). Costs O(n + m)."""
-    batch, (n, m) = shape[:-2], shape[-2:]
-    eps = torch.finfo(dtype).eps
-    scale = NEAR_TOLERANCE * eps * factor
-    x2 = x.square().sum(-1).expand(*batch, n)
-    y2 = y.square().sum(-1).expand(*batch, m)
-    xw = torch.ones_like(x2) if x_weight is None else x_weight.abs().expand(*batch, n)
-    yw = torch.ones_like(y2) if y_weight is None else y_weight.abs().expand(*batch, m)
-    if bool((yw.amax(-1) > WEIGHT_SPREAD * yw.amin(-1)).any()):
-        # Column weights of very different sizes (conformal factors near the Poincare boundary)
-        # would make every row a candidate: compare each row's smallest s_ij / w_y[j] instead.
-        row_bound = scale * xw * (x2 + y2.amax(-1, keepdim=True)) * (1 + 4 * eps)
-        return NearScreen(yw.reciprocal(), row_bound, scale, x2, y2, xw, yw)
-    largest = (yw.amax(-1, keepdim=True), (yw * y2).amax(-1, keepdim=True))
-    row_bound = scale * xw * (x2 * largest[0] + largest[1])
-    return NearScreen(None, row_bound, scale, x2, y2, xw, yw)
+    their rounding bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)` (`NearScreens`, for
+    the whole matrix)."""
+    return NearScreens(x, y, x_weight, y_weight, factor, dtype).tile(
+        shape, slice(None), slice(None)
+    )
+
+
+class NearScreens:
+    """`near_screen` for the tiles of one matrix `(..., N, M)` of `factor w_x[i] w_y[j]
+    |x_i - y_j|^2`: a row's bound is its largest rounding bound over the tile's columns, after
+    dividing out the column weights where they differ by more than `WEIGHT_SPREAD` (as a
+    product with their reciprocals, a division costing several times more on CPUs; the bound is
+    widened by a few roundings for the two results that may differ by one). The squared norms
+    and weights' sizes are computed once, each column tile's maxima once, so a tile costs a few
+    operations on its rows (O(n))."""
+
+    @torch.no_grad()
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        x_weight: torch.Tensor | None,
+        y_weight: torch.Tensor | None,
+        factor: float,
+        dtype: torch.dtype,
+    ) -> None:
+        self.eps = torch.finfo(dtype).eps
+        self.scale = NEAR_TOLERANCE * self.eps * factor
+        self.x2 = x.square().sum(-1)
+        self.y2 = y.square().sum(-1)
+        self.x_weight = torch.ones_like(self.x2) if x_weight is None else x_weight.abs()
+        self.y_weight = torch.ones_like(self.y2) if y_weight is None else y_weight.abs()
+        self._columns: dict[tuple, tuple] = {}
+
+    @torch.no_grad()
+    def tile(self, shape: torch.Size, rows: slice, cols: slice) -> NearScreen:
+        """The screen of the tile `(..., rows, cols)`, of shape `shape (..., n, m)`."""
+        batch, (n, m) = shape[:-2], shape[-2:]
+        x2 = self.x2[..., rows].expand(*batch, n)
+        xw = self.x_weight[..., rows].expand(*batch, n)
+        y2, yw, column_scale, largest = self._column_tile(batch, m, cols)
+        if column_scale is not None:
+            # Column weights of very different sizes (conformal factors near the Poincare
+            # boundary) would make every row a candidate: compare each row's smallest
+            # s_ij / w_y[j] instead.
+            row_bound = self.scale * xw * (x2 + largest[0]) * (1 + 4 * self.eps)
+        else:
+            row_bound = self.scale * xw * (x2 * largest[0] + largest[1])
+        return NearScreen(column_scale, row_bound, self.scale, x2, y2, xw, yw)
+
+    def _column_tile(self, batch: torch.Size, m: int, cols: slice) -> tuple:
+        """The column tile's squared norms, weights' sizes, column scale (None where the
+        weights are even) and maxima, computed on first use."""
+        key = (cols.start, cols.stop, tuple(batch))
+        if key not in self._columns:
+            y2 = self.y2[..., cols].expand(*batch, m)
+            yw = self.y_weight[..., cols].expand(*batch, m)
+            if bool((yw.amax(-1) > WEIGHT_SPREAD * yw.amin(-1)).any()):
+                entry = (y2, yw, yw.reciprocal(), (y2.amax(-1, keepdim=True),))
+            else:
+                largest = (yw.amax(-1, keepdim=True), (yw * y2).amax(-1, keepdim=True))
+                entry = (y2, yw, None, largest)
+            self._columns[key] = entry
+        return self._columns[key]
 
 
 def screened_row_minima(squared: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:

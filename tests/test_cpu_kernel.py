@@ -4,6 +4,7 @@ near pairs recomputed as there, used only where they pay, and a failed compilati
 back with a warning instead of failing a call."""
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -170,3 +171,38 @@ def test_compilation_applies_where_it_pays(monkeypatch):
     assert not cpu_kernel.applies(w, None, cpu_kernel.MIN_LOGITS)  # no product form
     assert not cpu_kernel.applies(w.half(), product, cpu_kernel.MIN_LOGITS)
     assert not cpu_kernel.applies(w.to("meta"), product, cpu_kernel.MIN_LOGITS)
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        ({}, {"combine_softmax_step": 4}),
+        ({"causal": True}, {"combine_softmax_step": 2, "combine": 2, "softmax_step": 2}),
+    ],
+)
+def test_tiles_no_mask_touches_run_one_kernel_each(
+    call, expected, compile_small_calls, monkeypatch
+):
+    """2 x 2 tiles: a tile that no mask touches runs its logits and its online-softmax step as
+    one compiled kernel, and only that kernel is compiled for an unmasked call; the causal
+    call's two tiles that reach past a query's position run the logits' kernel, the mask and
+    the step's kernel. Both answer as the uncompiled tiles do. (d = 32: no pair is near enough
+    to be recomputed, which would run a tile's kernel again.)"""
+    monkeypatch.setattr(cpu_kernel, "_kernels", {})
+    g = build_geometry("product", 32, heads=3).float()
+    q, k, v = inputs(torch.float32, nq=64, nk=128, d=32)
+    with torch.no_grad():
+        dense_attention(q, k, v, g, **CHUNKS, **call)
+        assert cpu_kernel.wait(timeout=300)
+        if not call:
+            assert {key[0] for key in cpu_kernel._kernels} == {"combine_softmax_step"}
+        calls = Counter()
+        for key, kernel in list(cpu_kernel._kernels.items()):
+            counted = lambda *args, key=key, kernel=kernel: calls.update([key[0]]) or kernel(*args)  # noqa: E731
+            monkeypatch.setitem(cpu_kernel._kernels, key, counted)
+        compiled = dense_attention(q, k, v, g, **CHUNKS, **call)
+        monkeypatch.setattr(cpu_kernel, "enabled", False)
+        uncompiled = dense_attention(q, k, v, g, **CHUNKS, **call)
+    assert calls == expected
+    for got, want in zip(compiled, uncompiled, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

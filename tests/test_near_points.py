@@ -13,7 +13,7 @@ import mpmath
 import pytest
 import torch
 
-from rewa.attention import DomainError, dense_attention, make_geometry
+from rewa.attention import DomainError, dense_attention, make_geometry, numerics
 from rewa.attention.stereographic import project
 
 mpmath.mp.dps = 50
@@ -174,3 +174,47 @@ def test_per_head_parameters_are_made_in_the_default_dtype():
     assert kappa.kappa.tolist() == [0.1, -0.3]
     assert cone.r.tolist() == [0.3, 0.3]
     assert torch.allclose(cone.gamma, torch.tensor([0.7, 1.1], dtype=torch.float64), 0, 1e-15)
+
+
+@pytest.mark.parametrize("weights", ["none", "even", "spread"])
+def test_tile_screens_find_every_near_pair_of_the_matrix(weights):
+    """`NearScreens` screens the tiles of one matrix from norms and weights computed once: over
+    every tile (uneven ones at the edges included), the entries it lets `near_pairs` find are
+    exactly those below `NEAR_TOLERANCE` times their rounding bound, computed here for the
+    whole matrix from its definition. With column weights spread over more than
+    `WEIGHT_SPREAD`, the tiles compare `s_ij / w_y[j]` (a column scale)."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 70, 6, generator=generator, dtype=torch.float64)
+    y = torch.randn(2, 90, 6, generator=generator, dtype=torch.float64)
+    x[:, 5], x[:, 40], x[1, 66] = y[:, 7], y[:, 88] + 1e-9, y[1, 30]  # near pairs, 3 tiles
+    x_weight = y_weight = None
+    if weights != "none":
+        x_weight = torch.rand(2, 70, generator=generator, dtype=torch.float64) + 0.5
+        y_weight = torch.rand(2, 90, generator=generator, dtype=torch.float64) + 0.5
+        if weights == "spread":
+            y_weight[:, ::3] *= 50
+    squared = (x.unsqueeze(-2) - y.unsqueeze(-3)).square().sum(-1)  # the direct difference
+    if weights != "none":
+        squared = squared * x_weight.unsqueeze(-1) * y_weight.unsqueeze(-2)
+    scale = numerics.NEAR_TOLERANCE * torch.finfo(torch.float64).eps * 0.5
+    bound = x.square().sum(-1).unsqueeze(-1) + y.square().sum(-1).unsqueeze(-2)
+    if weights != "none":
+        bound = bound * x_weight.unsqueeze(-1) * y_weight.unsqueeze(-2)
+    expected = (squared <= scale * bound).nonzero().tolist()
+    assert len(expected) == 5
+
+    screens = numerics.NearScreens(x, y, x_weight, y_weight, 0.5, torch.float64)
+    found = []
+    for row_start in range(0, 70, 32):
+        for col_start in range(0, 90, 40):
+            rows, cols = slice(row_start, row_start + 32), slice(col_start, col_start + 40)
+            tile = squared[:, rows, cols]
+            screen = screens.tile(tile.shape, rows, cols)
+            assert (screen.column_scale is not None) == (weights == "spread")
+            minima = numerics.screened_row_minima(tile, screen.column_scale)
+            index = numerics.near_pairs(tile, minima, screen)
+            if index is not None:
+                batch, row, col = (part.tolist() for part in index)
+                pairs = zip(batch, row, col, strict=True)
+                found += [[b, r + row_start, c + col_start] for b, r, c in pairs]
+    assert sorted(found) == sorted(expected)
