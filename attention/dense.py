@@ -249,7 +249,7 @@ def _tile_logits(
     kw: torch.Tensor,
     geometry: Geometry,
     terms: list[ScoreTerm] | None,
-    screens: list[NearScreens | None] | None,
+    compiled: _CompiledTiles | None,
     rows: slice,
     cols: slice,
 ) -> torch.Tensor:
@@ -258,7 +258,7 @@ def _tile_logits(
     `geometry.score`."""
     if terms is None:
         return geometry.score(qw[..., rows, :], kw[..., cols, :]).mul_(LOG2E)
-    return _combined_logits(_tile_products(terms, rows, cols), terms, screens, rows, cols)
+    return _combined_logits(_tile_products(terms, rows, cols), terms, compiled, rows, cols)
 
 
 def _tile_products(terms: list[ScoreTerm], rows: slice, cols: slice) -> list[torch.Tensor]:
@@ -271,14 +271,14 @@ def _tile_products(terms: list[ScoreTerm], rows: slice, cols: slice) -> list[tor
 def _combined_logits(
     products: list[torch.Tensor],
     terms: list[ScoreTerm],
-    screens: list[NearScreens | None] | None,
+    compiled: _CompiledTiles | None,
     rows: slice,
     cols: slice,
 ) -> torch.Tensor:
     """The terms' element-wise work on a tile's `products` (`combine_terms_`; compiled where
-    the call compiles its tiles, `screens` given, and the kernel is ready: `_compiled_tile`)."""
-    if screens is not None:
-        logits = _compiled_tile(products, terms, screens, rows, cols)
+    the call's tiles are (`compiled`) and the kernel is ready: `_compiled_tile`)."""
+    if compiled is not None:
+        logits = _compiled_tile(products, terms, compiled, rows, cols)
         if logits is not None:
             return logits
     products = [
@@ -299,35 +299,35 @@ def _tile_step(
     cols: slice,
     offset: int,
     running_max: torch.Tensor,
-    screens: list[NearScreens | None] | None,
+    compiled: _CompiledTiles | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One key tile of the online softmax (`softmax_step`) from the tile's logits. A tile of a
-    product form that no mask touches runs the logits and the softmax step as one compiled
-    kernel where it is ready (`_compiled_tile`), else as two (the logits' and the step's). The
-    call compiles its tiles where `screens` (`_near_screens`) are given."""
+    """One key tile of the online softmax (`softmax_step`) from the tile's logits. Where the
+    call's tiles are compiled (`compiled`), a tile of a product form that no mask touches runs
+    the logits and the softmax step as one kernel where it is ready (`_compiled_tile`), other
+    tiles as two (the logits' and the step's)."""
     masked = mask is not None or causal
     if (
         terms is not None
-        and screens is not None
+        and compiled is not None
         and not _masks_tile(mask, causal, rows, cols, offset)
     ):
         products = _tile_products(terms, rows, cols)
-        step = _compiled_tile(products, terms, screens, rows, cols, (running_max, masked))
+        step = _compiled_tile(products, terms, compiled, rows, cols, (running_max, masked))
         if step is not None:
             return step
         # Uncompiled while the kernel compiles: starting the two-kernel path's compilations too
         # would cost their time and memory for kernels unmasked tiles never use.
         logits = _combined_logits(products, terms, None, rows, cols)
         return softmax_step(logits, running_max, masked)
-    logits = _tile_logits(qw, kw, geometry, terms, screens, rows, cols)
+    logits = _tile_logits(qw, kw, geometry, terms, compiled, rows, cols)
     logits = _mask_tile(logits, mask, causal, rows, cols, offset, LOG2E)
-    return _softmax_step(logits, running_max, masked, screens is not None)
+    return _softmax_step(logits, running_max, masked, compiled is not None)
 
 
 def _compiled_tile(
     products: list[torch.Tensor],
     terms: list[ScoreTerm],
-    screens: list[NearScreens | None],
+    compiled: _CompiledTiles,
     rows: slice,
     cols: slice,
     softmax: tuple[torch.Tensor, bool] | None = None,
@@ -341,9 +341,9 @@ def _compiled_tile(
     shape = torch.broadcast_shapes(*(product.shape for product in products))
     batch = shape[:-2]
     dtype = products[0].dtype
-    tile_screens = [None if s is None else s.tile(shape, rows, cols) for s in screens]
+    tile_screens = [None if s is None else s.tile(shape, rows, cols) for s in compiled.screens]
     stages = [term.stages for term in terms]
-    weights = [_tile_layout(torch.as_tensor(term.weight, dtype=dtype), batch, 1) for term in terms]
+    weights = compiled.weights(batch)
     scales = [None if s is None else _flat_column_scale(s, shape) for s in tile_screens]
     operands = (_flat_products(products, shape), stages, weights, scales)
     key = cpu_kernel.signature(stages, dtype)
@@ -377,12 +377,27 @@ def _compiled_tile(
     )
 
 
-def _near_screens(terms: list[ScoreTerm]) -> list[NearScreens | None]:
-    """Each term's near-pair screens (`numerics.NearScreens`, None for a term without near
-    pairs), made once per call for the compiled tiles."""
-    return [
-        None if term.near is None else NearScreens(*term.near, term.queries.dtype) for term in terms
-    ]
+class _CompiledTiles:
+    """What the compiled tiles of one call share: each term's near-pair screens
+    (`numerics.NearScreens`, None for a term without near pairs) and its weight in the
+    kernels' layout, made once per call instead of per tile."""
+
+    def __init__(self, terms: list[ScoreTerm]) -> None:
+        self.terms = terms
+        self.screens = [
+            None if term.near is None else NearScreens(*term.near, term.queries.dtype)
+            for term in terms
+        ]
+        self._weights: dict[torch.Size, list[torch.Tensor]] = {}
+
+    def weights(self, batch: torch.Size) -> list[torch.Tensor]:
+        """The terms' weights for a tile of batch shape `batch`, `(prod(batch), 1, 1)` each."""
+        if batch not in self._weights:
+            self._weights[batch] = [
+                _tile_layout(torch.as_tensor(t.weight, dtype=t.queries.dtype), batch, 1)
+                for t in self.terms
+            ]
+        return self._weights[batch]
 
 
 def _flat_products(products: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
@@ -515,7 +530,7 @@ def _tiled_forward(
     lse = qw.new_full((*batch, n_queries), float("-inf"))
     n_logits = math.prod(batch) * n_queries * n_keys
     stages = None if terms is None else [term.stages for term in terms]
-    screens = _near_screens(terms) if cpu_kernel.applies(qw, stages, n_logits) else None
+    compiled = _CompiledTiles(terms) if cpu_kernel.applies(qw, stages, n_logits) else None
     for q_start in range(0, n_queries, q_chunk):
         rows = slice(q_start, min(q_start + q_chunk, n_queries))
         running_max = qw.new_full((*batch, rows.stop - rows.start), float("-inf"))
@@ -524,7 +539,7 @@ def _tiled_forward(
         for k_start in range(0, _key_limit(causal, rows.stop, n_keys, offset), k_chunk):
             cols = slice(k_start, min(k_start + k_chunk, n_keys))
             step = _tile_step(
-                qw, kw, geometry, terms, mask, causal, rows, cols, offset, running_max, screens
+                qw, kw, geometry, terms, mask, causal, rows, cols, offset, running_max, compiled
             )  # fmt: skip
             weights, row_sums, running_max, rescale = step
             total = total * rescale + row_sums
