@@ -85,6 +85,7 @@ def dense_attention(
     batch = _checked_batch(q, k, v, geometry, mask, q_chunk, k_chunk)
     if mask is not None and mask.dim() < 2:
         mask = mask.reshape(1, -1)
+    q = _with_output_batch(q, k, batch, mask)
     if _sdpa_applies(q, k, v, geometry, mask, causal):
         return _fused_dot_product(q, k, v, geometry.scale, causal)
     if q_chunk is None:
@@ -128,6 +129,19 @@ def _checked_batch(
     if (q_chunk is not None and q_chunk < 1) or k_chunk < 1:
         raise ValueError(f"expected positive chunk sizes, got {q_chunk} and {k_chunk}")
     return batch
+
+
+def _with_output_batch(
+    q: torch.Tensor, k: torch.Tensor, batch: torch.Size, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """`q` expanded to the output's batch shape where values (`batch`) or the mask have batch
+    dimensions that q and k lack: the tiles' logits, the broadcast of q and k, then take them
+    too (a view; the logits of the added batch elements are computed again)."""
+    if mask is not None and mask.dim() > 2:
+        batch = torch.broadcast_shapes(batch, mask.shape[:-2])
+    if torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]) == batch:
+        return q
+    return q.expand(*batch, *q.shape[-2:])
 
 
 def _broadcast_batch(
