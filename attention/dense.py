@@ -292,7 +292,7 @@ def _combined_logits(
     """The terms' element-wise work on a tile's `products` (`combine_terms_`; compiled where
     the call's tiles are (`compiled`) and the kernel is ready: `_compiled_tile`)."""
     if compiled is not None:
-        logits = _compiled_tile(products, terms, compiled, rows, cols)
+        logits = _compiled_tile(products, compiled, rows, cols)
         if logits is not None:
             return logits
     products = [
@@ -326,7 +326,7 @@ def _tile_step(
         and not _masks_tile(mask, causal, rows, cols, offset)
     ):
         products = _tile_products(terms, rows, cols)
-        step = _compiled_tile(products, terms, compiled, rows, cols, (running_max, masked))
+        step = _compiled_tile(products, compiled, rows, cols, (running_max, masked))
         if step is not None:
             return step
         # Uncompiled while the kernel compiles: starting the two-kernel path's compilations too
@@ -340,13 +340,13 @@ def _tile_step(
 
 def _compiled_tile(
     products: list[torch.Tensor],
-    terms: list[ScoreTerm],
     compiled: _CompiledTiles,
     rows: slice,
     cols: slice,
     softmax: tuple[torch.Tensor, bool] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """`combine_terms_` compiled (attention/cpu_kernel.py), with the near-pair screen's row
+    """`combine_terms_` of the call's terms (`compiled.terms`) compiled
+    (attention/cpu_kernel.py), with the near-pair screen's row
     minima (`numerics.screened_row_minima`) computed by the same kernel: the logits, or where
     `softmax` gives the running maximum and whether logits may be masked, the online-softmax
     step of them (`softmax_step`) from the same kernel. A tile with near pairs (rare: nearly
@@ -355,10 +355,11 @@ def _compiled_tile(
     shape = torch.broadcast_shapes(*(product.shape for product in products))
     batch = shape[:-2]
     dtype = products[0].dtype
+    terms = compiled.terms
     tile_screens = [None if s is None else s.tile(shape, rows, cols) for s in compiled.screens]
     stages = [term.stages for term in terms]
     weights = compiled.weights(batch)
-    scales = [None if s is None else _flat_column_scale(s, shape) for s in tile_screens]
+    scales = compiled.column_scales(tile_screens, shape, cols)
     operands = (_flat_products(products, shape), stages, weights, scales)
     key = cpu_kernel.signature(stages, dtype)
     function = _combine_and_screen
@@ -393,8 +394,9 @@ def _compiled_tile(
 
 class _CompiledTiles:
     """What the compiled tiles of one call share: each term's near-pair screens
-    (`numerics.NearScreens`, None for a term without near pairs) and its weight in the
-    kernels' layout, made once per call instead of per tile."""
+    (`numerics.NearScreens`, None for a term without near pairs), its weight and each column
+    tile's column scales in the kernels' layout, made once per call (or column tile) instead
+    of per tile."""
 
     def __init__(self, terms: list[ScoreTerm]) -> None:
         self.terms = terms
@@ -403,6 +405,7 @@ class _CompiledTiles:
             for term in terms
         ]
         self._weights: dict[torch.Size, list[torch.Tensor]] = {}
+        self._column_scales: dict[tuple, list[torch.Tensor | None]] = {}
 
     def weights(self, batch: torch.Size) -> list[torch.Tensor]:
         """The terms' weights for a tile of batch shape `batch`, `(prod(batch), 1, 1)` each."""
@@ -412,6 +415,19 @@ class _CompiledTiles:
                 for t in self.terms
             ]
         return self._weights[batch]
+
+    def column_scales(
+        self, tile_screens: list[NearScreen | None], shape: torch.Size, cols: slice
+    ) -> list[torch.Tensor | None]:
+        """The tile screens' column scales (`_flat_column_scale`, None for a term without near
+        pairs) for a tile of `shape` over the key columns `cols`: a column tile's are the same
+        for every query tile."""
+        key = (cols.start, cols.stop, shape[:-2])
+        if key not in self._column_scales:
+            self._column_scales[key] = [
+                None if s is None else _flat_column_scale(s, shape) for s in tile_screens
+            ]
+        return self._column_scales[key]
 
 
 def _flat_products(products: list[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:

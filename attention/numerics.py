@@ -103,7 +103,7 @@ rounding bound `eps (|x|^2 + |y|^2)`: beyond it the expansion keeps a relative a
 1e-4 or better, below it the direct difference is used."""
 WEIGHT_SPREAD = 4.0
 """Column weights whose largest is more than this times their smallest are divided out before a
-tile's rows are screened for near pairs (`near_screen`)."""
+tile's rows are screened for near pairs (`NearScreens`)."""
 REFINE_CHUNK = 1 << 18
 """Pairs recomputed per gather (bounds the memory of the worst case, every pair near)."""
 
@@ -126,10 +126,11 @@ def refine_near_pairs(
     so every entry keeps its relative accuracy; far pairs, almost all of them in attention, keep
     the single matrix product (docs/mathematics.md, "Fused dense attention").
 
-    The work is `near_screen` (per row and column), `screened_row_minima` (one pass over the
-    matrix), `near_pairs` (only in rows that may hold one) and `with_pairs_recomputed`; a fused
-    kernel may compute the minima in its own pass."""
-    screen = near_screen(squared.shape, x, y, x_weight, y_weight, factor, squared.dtype)
+    The work is the screen (`NearScreens`, per row and column), `screened_row_minima` (one
+    pass over the matrix), `near_pairs` (only in rows that may hold one) and
+    `with_pairs_recomputed`; a fused kernel may compute the minima in its own pass."""
+    screens = NearScreens(x, y, x_weight, y_weight, factor, squared.dtype)
+    screen = screens.tile(squared.shape, slice(None), slice(None))
     row_min = screened_row_minima(squared.detach(), screen.column_scale)
     index = near_pairs(squared.detach(), row_min, screen)
     if index is None:
@@ -153,27 +154,11 @@ class NearScreen(NamedTuple):
     y_weight: torch.Tensor
 
 
-@torch.no_grad()
-def near_screen(
-    shape: torch.Size,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    x_weight: torch.Tensor | None,
-    y_weight: torch.Tensor | None,
-    factor: float,
-    dtype: torch.dtype,
-) -> NearScreen:
-    """The screen of the entries of a `shape (..., n, m)` matrix below `NEAR_TOLERANCE` times
-    their rounding bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)` (`NearScreens`, for
-    the whole matrix)."""
-    return NearScreens(x, y, x_weight, y_weight, factor, dtype).tile(
-        shape, slice(None), slice(None)
-    )
-
-
 class NearScreens:
-    """`near_screen` for the tiles of one matrix `(..., N, M)` of `factor w_x[i] w_y[j]
-    |x_i - y_j|^2`: a row's bound is its largest rounding bound over the tile's columns, after
+    """The screens (`NearScreen`) of the entries below `NEAR_TOLERANCE` times their rounding
+    bound `eps factor |w_x[i] w_y[j]| (|x_i|^2 + |y_j|^2)`, for the tiles of one matrix
+    `(..., N, M)` of `factor w_x[i] w_y[j] |x_i - y_j|^2` (a whole matrix is one tile): a row's
+    bound is its largest rounding bound over the tile's columns, after
     dividing out the column weights where they differ by more than `WEIGHT_SPREAD` (as a
     product with their reciprocals, a division costing several times more on CPUs; the bound is
     widened by a few roundings for the two results that may differ by one). The squared norms
@@ -196,7 +181,7 @@ class NearScreens:
         self.y2 = y.square().sum(-1)
         self.x_weight = torch.ones_like(self.x2) if x_weight is None else x_weight.abs()
         self.y_weight = torch.ones_like(self.y2) if y_weight is None else y_weight.abs()
-        self._columns: dict[tuple, tuple] = {}
+        self._columns: dict[tuple, _ColumnTile] = {}
 
     @torch.no_grad()
     def tile(self, shape: torch.Size, rows: slice, cols: slice) -> NearScreen:
@@ -204,30 +189,42 @@ class NearScreens:
         batch, (n, m) = shape[:-2], shape[-2:]
         x2 = self.x2[..., rows].expand(*batch, n)
         xw = self.x_weight[..., rows].expand(*batch, n)
-        y2, yw, column_scale, largest = self._column_tile(batch, m, cols)
-        if column_scale is not None:
-            # Column weights of very different sizes (conformal factors near the Poincare
-            # boundary) would make every row a candidate: compare each row's smallest
-            # s_ij / w_y[j] instead.
-            row_bound = self.scale * xw * (x2 + largest[0]) * (1 + 4 * self.eps)
-        else:
-            row_bound = self.scale * xw * (x2 * largest[0] + largest[1])
-        return NearScreen(column_scale, row_bound, self.scale, x2, y2, xw, yw)
+        columns = self._column_tile(batch, m, cols)
+        row_bound = self.scale * xw * (x2 * columns.x2_factor + columns.offset) * columns.widen
+        return NearScreen(
+            columns.column_scale, row_bound, self.scale, x2, columns.y2, xw, columns.y_weight
+        )
 
-    def _column_tile(self, batch: torch.Size, m: int, cols: slice) -> tuple:
-        """The column tile's squared norms, weights' sizes, column scale (None where the
-        weights are even) and maxima, computed on first use."""
+    def _column_tile(self, batch: torch.Size, m: int, cols: slice) -> _ColumnTile:
+        """The column tile's part of the screen, computed on first use."""
         key = (cols.start, cols.stop, tuple(batch))
         if key not in self._columns:
             y2 = self.y2[..., cols].expand(*batch, m)
             yw = self.y_weight[..., cols].expand(*batch, m)
             if bool((yw.amax(-1) > WEIGHT_SPREAD * yw.amin(-1)).any()):
-                entry = (y2, yw, yw.reciprocal(), (y2.amax(-1, keepdim=True),))
+                # Column weights of very different sizes (conformal factors near the Poincare
+                # boundary) would make every row a candidate: compare each row's smallest
+                # s_ij / w_y[j] instead.
+                largest = y2.amax(-1, keepdim=True)
+                entry = _ColumnTile(y2, yw, yw.reciprocal(), 1.0, largest, 1 + 4 * self.eps)
             else:
                 largest = (yw.amax(-1, keepdim=True), (yw * y2).amax(-1, keepdim=True))
-                entry = (y2, yw, None, largest)
+                entry = _ColumnTile(y2, yw, None, *largest, 1.0)
             self._columns[key] = entry
         return self._columns[key]
+
+
+class _ColumnTile(NamedTuple):
+    """A column tile's part of `NearScreens.tile`: its squared norms and weights' sizes
+    `(..., m)`, the column scale (None where the weights are even), and the row bound's terms,
+    `scale w_x (x2 x2_factor + offset) widen`."""
+
+    y2: torch.Tensor
+    y_weight: torch.Tensor
+    column_scale: torch.Tensor | None
+    x2_factor: torch.Tensor | float
+    offset: torch.Tensor
+    widen: float
 
 
 def screened_row_minima(squared: torch.Tensor, column_scale: torch.Tensor | None) -> torch.Tensor:
@@ -242,7 +239,7 @@ def near_pairs(
     squared: torch.Tensor, row_min: torch.Tensor, screen: NearScreen
 ) -> tuple[torch.Tensor, ...] | None:
     """The index of the entries of `squared (..., n, m)` below `NEAR_TOLERANCE` times their
-    rounding bound (`near_screen`), or None: only the rows whose screened minimum `row_min`
+    rounding bound (`NearScreens`), or None: only the rows whose screened minimum `row_min`
     is within `screen.row_bound` are compared entry by entry, so the usual case, no near pair,
     costs nothing beyond the minima."""
     rows = (row_min <= screen.row_bound).nonzero(as_tuple=True)
