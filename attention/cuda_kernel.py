@@ -4,6 +4,10 @@ The kernel is FlashAttention's forward pass with the logit of docs/mathematics.m
 attention") in its inner loop: for each block of keys it computes each score term's matrix
 product, applies the term's element-wise stages (`numerics.STAGES`, compiled in by name) and
 weight, and folds the block into an online softmax in base 2. No `(Nq, Nk)` matrix is stored.
+Near pairs of the distance terms are recomputed from `x_i - y_j` as on the CPU, in a second pass
+over the keys that only row blocks holding one make (docs/mathematics.md, "Fused dense
+attention"), and few query blocks are split over ranges of keys whose results merge
+(`key_splits`).
 
 The host side (`pack_terms`) splits every term's augmented operands into a main block of a
 power-of-two width of at least 16 (what `tl.dot` takes; zero columns leave the products
@@ -24,7 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from .geometry import ScoreTerm
-from .numerics import tiny
+from .numerics import NEAR_TOLERANCE, tiny
 
 MAX_TERMS = 3
 MAX_STAGES = 2
@@ -34,6 +38,14 @@ INPUT_PRECISION = "tf32x3"
 """`tl.dot`'s input precision: "tf32x3" (three TF32 tensor-core products with float32's
 accuracy, as cuBLAS's 3xTF32) or "ieee" (float32 on the FMA units: slower, and no closer to
 float64; docs/benchmark-notes.md, "Measurements behind code choices")."""
+# Key ranges (`key_splits`): programs per multiprocessor aimed at, the query block they are
+# counted in, the fewest keys in a range, a range's keys a multiple of every BLOCK_N, and the
+# multiprocessors assumed off CUDA (the kernel runs there only under Triton's interpreter).
+SPLIT_OCCUPANCY = 4
+SPLIT_QUERY_BLOCK = 64
+MIN_SPLIT_KEYS = 1024
+SPLIT_ALIGN = 128
+SPLIT_DEFAULT_MULTIPROCESSORS = 132
 EXP2_FLOOR = -64.0 * math.log2(math.e)
 """The floor of the shifted base-2 logits (`numerics.exp_of_shifted_`'s -64 nats)."""
 
@@ -72,7 +84,17 @@ class PackedTerms(NamedTuple):
     `queries (B, nq, sum of widths)` and `keys (B, nk, ...)`: the main blocks, concatenated;
     `query_extra (B, nq, MAX_TERMS * MAX_EXTRA)` and `key_extra`: the extra columns, zero where
     unused; `weights (B, MAX_TERMS)`; `widths` and `extras` per term; `codes`: the stage codes of
-    each term, 0-padded to `MAX_STAGES`."""
+    each term, 0-padded to `MAX_STAGES`.
+
+    The near pairs of the terms that are weighted squared distances (`ScoreTerm.near`,
+    `factor w_x[i] w_y[j] |x_i - y_j|^2`), recomputed in the kernel as `numerics.refine_near_pairs`
+    recomputes them on the CPU (`NearPairs`): `near_queries (B, nq, sum of near_dims)` and
+    `near_keys` hold the points x and y of each such term, concatenated; `near_rows (B, nq,
+    3 MAX_TERMS)` and `near_cols (B, nk, 3 MAX_TERMS)` three numbers per term and point, such
+    that the product s of a pair is near where `s <= r0 c0 + r1 c1` (the screen of
+    `numerics.near_pairs`: `NEAR_TOLERANCE eps factor (|x|^2 + |y|^2) |w_x w_y|`) and its direct
+    value is `r2 c2 |x_i - y_j|^2`; `near_dims`: each term's dimension, 0 for a term without
+    near pairs."""
 
     queries: torch.Tensor
     keys: torch.Tensor
@@ -82,6 +104,11 @@ class PackedTerms(NamedTuple):
     widths: tuple[int, ...]
     extras: tuple[int, ...]
     codes: tuple[tuple[int, ...], ...]
+    near_queries: torch.Tensor
+    near_keys: torch.Tensor
+    near_rows: torch.Tensor
+    near_cols: torch.Tensor
+    near_dims: tuple[int, ...]
 
 
 def padded_width(width: int) -> int:
@@ -120,6 +147,7 @@ def pack_terms(terms: list[ScoreTerm], batch: torch.Size) -> PackedTerms:
     n_batch = math.prod(batch)
     unused = MAX_TERMS - len(terms)
     weight_rows = torch.stack([w.expand(batch).reshape(n_batch) for w in weights], dim=-1)
+    near = _pack_near(terms, batch)
     return PackedTerms(
         torch.cat(queries, dim=-1).contiguous(),
         torch.cat(keys, dim=-1).contiguous(),
@@ -129,6 +157,49 @@ def pack_terms(terms: list[ScoreTerm], batch: torch.Size) -> PackedTerms:
         tuple(widths),
         tuple(extras),
         tuple(codes),
+        *near,
+    )
+
+
+def _pack_near(terms: list[ScoreTerm], batch: torch.Size):
+    """The near-pair operands of `PackedTerms`: `(near_queries, near_keys, near_rows, near_cols,
+    near_dims)`."""
+    n_q, n_k = terms[0].queries.shape[-2], terms[0].keys.shape[-2]
+    device = terms[0].queries.device
+    xs, ys, dims = [], [], []
+    rows = torch.zeros(math.prod(batch), n_q, 3 * MAX_TERMS, device=device, dtype=torch.float32)
+    cols = torch.zeros(math.prod(batch), n_k, 3 * MAX_TERMS, device=device, dtype=torch.float32)
+    eps = torch.finfo(torch.float32).eps
+    for slot, term in enumerate(terms):
+        if term.near is None:
+            dims.append(0)
+            continue
+        x, y, x_weight, y_weight, factor = term.near
+        x, y = (_flat(t.to(torch.float32), batch, 0) for t in (x, y))
+        x_weight, y_weight = (
+            torch.ones_like(t[..., 0]) if w is None else _flat(w.unsqueeze(-1), batch, 0)[..., 0]
+            for t, w in ((x, x_weight), (y, y_weight))
+        )
+        scale = NEAR_TOLERANCE * eps * factor
+        x2, y2 = x.square().sum(-1), y.square().sum(-1)
+        rows[..., 3 * slot] = scale * x2 * x_weight.abs()
+        rows[..., 3 * slot + 1] = scale * x_weight.abs()
+        rows[..., 3 * slot + 2] = factor * x_weight
+        cols[..., 3 * slot] = y_weight.abs()
+        cols[..., 3 * slot + 1] = y2 * y_weight.abs()
+        cols[..., 3 * slot + 2] = y_weight
+        xs.append(x)
+        ys.append(y)
+        dims.append(x.shape[-1])
+    dims += [0] * (MAX_TERMS - len(dims))
+    if not xs:  # the kernel reads none of them
+        xs, ys = [rows[..., :1]], [cols[..., :1]]
+    return (
+        torch.cat(xs, dim=-1).contiguous(),
+        torch.cat(ys, dim=-1).contiguous(),
+        rows,
+        cols,
+        tuple(dims),
     )
 
 
@@ -151,30 +222,79 @@ def fused_attention(
     n_keys, dv = v.shape[-2], v.shape[-1]
     dv_padded = padded_width(dv)
     values = _flat(v.to(torch.float32), batch, dv_padded - dv).contiguous()
-    out = torch.empty(n_batch, n_queries, dv_padded, device=v.device, dtype=torch.float32)
-    lse = torch.empty(n_batch, n_queries, device=v.device, dtype=torch.float32)
+    splits = key_splits(n_batch, n_queries, n_keys, _multiprocessors(v.device))
+    split_keys = SPLIT_ALIGN * max(1, math.ceil(n_keys / splits / SPLIT_ALIGN))
+    splits = max(1, math.ceil(n_keys / split_keys))
+    out = torch.empty(splits, n_batch, n_queries, dv_padded, device=v.device, dtype=torch.float32)
+    lse = torch.empty(splits, n_batch, n_queries, device=v.device, dtype=torch.float32)
     widths = (*packed.widths, *([0] * (MAX_TERMS - len(packed.widths))))
     extras = (*packed.extras, *([0] * (MAX_TERMS - len(packed.extras))))
     codes = (*packed.codes, *([(0,) * MAX_STAGES] * (MAX_TERMS - len(packed.codes))))
-    grid = lambda meta: (math.ceil(n_queries / meta["BLOCK_M"]), n_batch)  # noqa: E731
+    grid = lambda meta: (math.ceil(n_queries / meta["BLOCK_M"]), n_batch, splits)  # noqa: E731
+    near_dims = packed.near_dims
     _kernel()[grid](
         packed.queries, packed.keys, packed.query_extra, packed.key_extra, values,
         packed.weights, out, lse,
+        packed.near_queries, packed.near_keys, packed.near_rows, packed.near_cols,
         packed.queries.stride(0), packed.queries.stride(1),
         packed.keys.stride(0), packed.keys.stride(1),
         packed.query_extra.stride(0), packed.query_extra.stride(1),
         packed.key_extra.stride(0), packed.key_extra.stride(1),
         values.stride(0), values.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), packed.weights.stride(0),
-        n_queries, n_keys, n_keys - n_queries, padded_width(n_queries),
+        out.stride(1), out.stride(2), lse.stride(1), packed.weights.stride(0),
+        out.stride(0), lse.stride(0),
+        packed.near_queries.stride(0), packed.near_queries.stride(1),
+        packed.near_keys.stride(0), packed.near_keys.stride(1),
+        packed.near_rows.stride(0), packed.near_rows.stride(1),
+        packed.near_cols.stride(0), packed.near_cols.stride(1),
+        n_queries, n_keys, n_keys - n_queries, padded_width(n_queries), split_keys, splits,
         D0=widths[0], D1=widths[1], D2=widths[2], X0=extras[0], X1=extras[1], X2=extras[2],
         A0=codes[0][0], A1=codes[0][1], B0=codes[1][0], B1=codes[1][1],
         C0=codes[2][0], C1=codes[2][1],
+        N0=near_dims[0], N1=near_dims[1], N2=near_dims[2],
         DV=dv_padded, CAUSAL=causal, TINY=tiny(torch.float32), FLOOR=EXP2_FLOOR,
-        PRECISION=INPUT_PRECISION,
+        PASSES=2 if any(near_dims) else 1, PRECISION=INPUT_PRECISION,
     )  # fmt: skip
+    if splits > 1:
+        out, lse = _merged_splits(out, lse)
+    else:
+        out, lse = out[0], lse[0]
     out = out[..., :dv].reshape(*batch, n_queries, dv)
     return out, lse.reshape(*batch, n_queries)
+
+
+def key_splits(n_batch: int, n_queries: int, n_keys: int, multiprocessors: int) -> int:
+    """Into how many ranges of keys the kernel splits each query block: one where the query
+    blocks alone (`SPLIT_QUERY_BLOCK` rows each, times the batch) give every multiprocessor
+    `SPLIT_OCCUPANCY` programs, else as many as make up the difference, with ranges of at least
+    `MIN_SPLIT_KEYS` keys. Few rows (one head of a short context, a decode step) otherwise run
+    on a fraction of the GPU (docs/benchmark-notes.md, "Key ranges in the CUDA kernel")."""
+    programs = math.ceil(n_queries / SPLIT_QUERY_BLOCK) * n_batch
+    target = SPLIT_OCCUPANCY * multiprocessors
+    if programs >= target:
+        return 1
+    return max(1, min(math.ceil(target / programs), n_keys // MIN_SPLIT_KEYS))
+
+
+def _merged_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key ranges' `(out (S, ..., dv), lse (S, ...))` merged as `merge_attention` merges
+    parts over disjoint keys; a row no range saw stays `(0, -inf)`."""
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.exp(lse - total.nan_to_num(neginf=0.0)).unsqueeze(-1)
+    return (out * weights).sum(0), total
+
+
+_multiprocessor_counts: dict[torch.device, int] = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (`SPLIT_DEFAULT_MULTIPROCESSORS` off CUDA)."""
+    if device.type != "cuda":
+        return SPLIT_DEFAULT_MULTIPROCESSORS
+    if device not in _multiprocessor_counts:
+        properties = torch.cuda.get_device_properties(device)
+        _multiprocessor_counts[device] = properties.multi_processor_count
+    return _multiprocessor_counts[device]
 
 
 _compiled = None
@@ -210,8 +330,11 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
 
     @triton.jit
     def term(q, qx0, qx1, K, XK, key_base, key_extra_base, cols, col_ok, stride_kn, stride_xn,
+             row_ok, near_x, r0, r1, r2, NK, near_key_base, stride_nkn, NC, near_col_base,
+             stride_ncn,
              OFFSET: tl.constexpr, D: tl.constexpr, X: tl.constexpr, SLOT: tl.constexpr,
-             S0: tl.constexpr, S1: tl.constexpr, TINY: tl.constexpr,
+             S0: tl.constexpr, S1: tl.constexpr, NEAR_OFFSET: tl.constexpr,
+             NEAR_DIM: tl.constexpr, REFINE: tl.constexpr, TINY: tl.constexpr,
              PRECISION: tl.constexpr):  # fmt: skip
         dims = OFFSET + tl.arange(0, D)
         k = tl.load(
@@ -225,7 +348,35 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
             s += qx0[:, None] * tl.load(extra, mask=col_ok, other=0.0)[None, :]
         if X > 1:
             s += qx1[:, None] * tl.load(extra + 1, mask=col_ok, other=0.0)[None, :]
-        return stage(stage(s, S0, TINY), S1, TINY)
+        margin = tl.full(s.shape, float("inf"), tl.float32)
+        if NEAR_DIM > 0:
+            # The near pairs of a weighted squared distance (numerics.refine_near_pairs;
+            # PackedTerms): the first pass over the keys only measures how far each product
+            # lies above its screen's bound (`margin`); a row block where some pair lies
+            # below it makes a second pass, which recomputes those pairs from x_i - y_j.
+            col = NC + near_col_base + cols * stride_ncn + SLOT * 3
+            c0 = tl.load(col, mask=col_ok, other=0.0)
+            c1 = tl.load(col + 1, mask=col_ok, other=0.0)
+            bound = r0[:, None] * c0[None, :] + r1[:, None] * c1[None, :]
+            inside = col_ok[None, :] & row_ok[:, None]
+            if REFINE:
+                near = (s <= bound) & inside
+                if tl.max(tl.max(near.to(tl.int32), 1), 0) > 0:
+                    c2 = tl.load(col + 2, mask=col_ok, other=0.0)
+                    squared = tl.zeros_like(s)
+                    for dim in range(NEAR_DIM):
+                        xd = tl.load(near_x + NEAR_OFFSET + dim, mask=row_ok, other=0.0)
+                        yd = tl.load(
+                            NK + near_key_base + cols * stride_nkn + NEAR_OFFSET + dim,
+                            mask=col_ok,
+                            other=0.0,
+                        )
+                        difference = xd[:, None] - yd[None, :]
+                        squared += difference * difference
+                    s = tl.where(near, (r2[:, None] * c2[None, :]) * squared, s)
+            else:
+                margin = tl.where(inside, s - bound, float("inf"))
+        return stage(stage(s, S0, TINY), S1, TINY), margin
 
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
@@ -236,20 +387,37 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
     # blocks to occupy every multiprocessor.
     @triton.autotune(
         configs,
-        key=["n_bucket", "D0", "D1", "D2", "X0", "X1", "X2", "DV", "CAUSAL", "PRECISION"],
+        key=[
+            "n_bucket",
+            "D0",
+            "D1",
+            "D2",
+            "X0",
+            "X1",
+            "X2",
+            "N0",
+            "N1",
+            "N2",
+            "DV",
+            "CAUSAL",
+            "PRECISION",
+        ],
     )
     @triton.jit
     def kernel(
-        Q, K, XQ, XK, V, W, OUT, LSE,
+        Q, K, XQ, XK, V, W, OUT, LSE, NQ, NK, NR, NC,
         stride_qb, stride_qm, stride_kb, stride_kn, stride_xqb, stride_xqm, stride_xkb, stride_xkn,
-        stride_vb, stride_vn, stride_ob, stride_om, stride_lb, stride_wb,
-        n_q, n_k, offset, n_bucket,
+        stride_vb, stride_vn, stride_ob, stride_om, stride_lb, stride_wb, stride_os, stride_ls,
+        stride_nqb, stride_nqm, stride_nkb, stride_nkn, stride_nrb, stride_nrm, stride_ncb,
+        stride_ncn,
+        n_q, n_k, offset, n_bucket, split_keys, n_splits,
         D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
         X0: tl.constexpr, X1: tl.constexpr, X2: tl.constexpr,
         A0: tl.constexpr, A1: tl.constexpr, B0: tl.constexpr, B1: tl.constexpr,
-        C0: tl.constexpr, C1: tl.constexpr,
+        C0: tl.constexpr, C1: tl.constexpr, N0: tl.constexpr, N1: tl.constexpr, N2: tl.constexpr,
         DV: tl.constexpr, CAUSAL: tl.constexpr, TINY: tl.constexpr, FLOOR: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PASSES: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         block = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -273,6 +441,19 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
             q2x0 = tl.load(x_rows + 4, mask=row_ok, other=0.0)
             q2x1 = tl.load(x_rows + 5, mask=row_ok, other=0.0)
             w2 = tl.load(W + b * stride_wb + 2)
+        near_x = NQ + b * stride_nqb + rows * stride_nqm
+        near_row = NR + b * stride_nrb + rows * stride_nrm
+        near_key_base = b * stride_nkb
+        near_col_base = b * stride_ncb
+        r00 = tl.load(near_row + 0, mask=row_ok, other=0.0)
+        r01 = tl.load(near_row + 1, mask=row_ok, other=0.0)
+        r02 = tl.load(near_row + 2, mask=row_ok, other=0.0)
+        r10 = tl.load(near_row + 3, mask=row_ok, other=0.0)
+        r11 = tl.load(near_row + 4, mask=row_ok, other=0.0)
+        r12 = tl.load(near_row + 5, mask=row_ok, other=0.0)
+        r20 = tl.load(near_row + 6, mask=row_ok, other=0.0)
+        r21 = tl.load(near_row + 7, mask=row_ok, other=0.0)
+        r22 = tl.load(near_row + 8, mask=row_ok, other=0.0)
         running_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         total = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, DV], tl.float32)
@@ -282,35 +463,25 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
         key_base = b * stride_kb
         key_extra_base = b * stride_xkb
         dv = tl.arange(0, DV)
-        for start in range(0, end, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < n_k
-            logits = w0 * term(
-                q0,
-                q0x0,
-                q0x1,
-                K,
-                XK,
-                key_base,
-                key_extra_base,
-                cols,
-                col_ok,
-                stride_kn,
-                stride_xkn,
-                0,
-                D0,
-                X0,
-                0,
-                A0,
-                A1,
-                TINY,
-                PRECISION,
-            )
-            if D1 > 0:
-                logits += w1 * term(
-                    q1,
-                    q1x0,
-                    q1x1,
+        split = tl.program_id(2)
+        first = split * split_keys
+        last = tl.minimum(end, first + split_keys)
+        row_margin = tl.full([BLOCK_M], float("inf"), tl.float32)
+        for refine in tl.static_range(PASSES):
+            stop = last
+            if refine == 1:  # again, recomputing near pairs, where the first pass saw one
+                again = tl.min(row_margin, 0) <= 0.0
+                stop = tl.where(again, last, first)
+                running_max = tl.where(again, float("-inf"), running_max)
+                total = tl.where(again, 0.0, total)
+                acc = tl.where(again, 0.0, acc)
+            for start in range(first, stop, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                col_ok = cols < n_k
+                logits, margin = term(
+                    q0,
+                    q0x0,
+                    q0x1,
                     K,
                     XK,
                     key_base,
@@ -319,60 +490,133 @@ def _define_kernel():  # pragma: no cover - needs CUDA and Triton
                     col_ok,
                     stride_kn,
                     stride_xkn,
+                    row_ok,
+                    near_x,
+                    r00,
+                    r01,
+                    r02,
+                    NK,
+                    near_key_base,
+                    stride_nkn,
+                    NC,
+                    near_col_base,
+                    stride_ncn,
+                    0,
                     D0,
-                    D1,
-                    X1,
-                    1,
-                    B0,
-                    B1,
+                    X0,
+                    0,
+                    A0,
+                    A1,
+                    0,
+                    N0,
+                    refine,
                     TINY,
                     PRECISION,
                 )
-            if D2 > 0:
-                logits += w2 * term(
-                    q2,
-                    q2x0,
-                    q2x1,
-                    K,
-                    XK,
-                    key_base,
-                    key_extra_base,
-                    cols,
-                    col_ok,
-                    stride_kn,
-                    stride_xkn,
-                    D0 + D1,
-                    D2,
-                    X2,
-                    2,
-                    C0,
-                    C1,
-                    TINY,
-                    PRECISION,
+                logits = w0 * logits
+                if D1 > 0:
+                    part, part_margin = term(
+                        q1,
+                        q1x0,
+                        q1x1,
+                        K,
+                        XK,
+                        key_base,
+                        key_extra_base,
+                        cols,
+                        col_ok,
+                        stride_kn,
+                        stride_xkn,
+                        row_ok,
+                        near_x,
+                        r10,
+                        r11,
+                        r12,
+                        NK,
+                        near_key_base,
+                        stride_nkn,
+                        NC,
+                        near_col_base,
+                        stride_ncn,
+                        D0,
+                        D1,
+                        X1,
+                        1,
+                        B0,
+                        B1,
+                        N0,
+                        N1,
+                        refine,
+                        TINY,
+                        PRECISION,
+                    )
+                    logits += w1 * part
+                    margin = tl.minimum(margin, part_margin)
+                if D2 > 0:
+                    part, part_margin = term(
+                        q2,
+                        q2x0,
+                        q2x1,
+                        K,
+                        XK,
+                        key_base,
+                        key_extra_base,
+                        cols,
+                        col_ok,
+                        stride_kn,
+                        stride_xkn,
+                        row_ok,
+                        near_x,
+                        r20,
+                        r21,
+                        r22,
+                        NK,
+                        near_key_base,
+                        stride_nkn,
+                        NC,
+                        near_col_base,
+                        stride_ncn,
+                        D0 + D1,
+                        D2,
+                        X2,
+                        2,
+                        C0,
+                        C1,
+                        N0 + N1,
+                        N2,
+                        refine,
+                        TINY,
+                        PRECISION,
+                    )
+                    logits += w2 * part
+                    margin = tl.minimum(margin, part_margin)
+                if PASSES > 1 and refine == 0:
+                    row_margin = tl.minimum(row_margin, tl.min(margin, 1))
+                valid = col_ok[None, :] & row_ok[:, None]
+                if CAUSAL:
+                    valid = valid & (cols[None, :] <= rows[:, None] + offset)
+                logits = tl.where(valid, logits, float("-inf"))
+                new_max = tl.maximum(running_max, tl.max(logits, 1))
+                shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+                weights = tl.exp2(tl.maximum(logits - shift[:, None], FLOOR))
+                weights = tl.where(valid, weights, 0.0)
+                rescale = tl.exp2(running_max - shift)
+                total = total * rescale + tl.sum(weights, 1)
+                values = tl.load(
+                    V + b * stride_vb + cols[:, None] * stride_vn + dv[None, :],
+                    mask=col_ok[:, None],
+                    other=0.0,
                 )
-            valid = col_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + offset)
-            logits = tl.where(valid, logits, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(logits, 1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            weights = tl.exp2(tl.maximum(logits - shift[:, None], FLOOR))
-            weights = tl.where(valid, weights, 0.0)
-            rescale = tl.exp2(running_max - shift)
-            total = total * rescale + tl.sum(weights, 1)
-            values = tl.load(
-                V + b * stride_vb + cols[:, None] * stride_vn + dv[None, :],
-                mask=col_ok[:, None],
-                other=0.0,
-            )
-            acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=PRECISION)
-            running_max = new_max
+                acc = acc * rescale[:, None] + tl.dot(weights, values, input_precision=PRECISION)
+                running_max = new_max
         seen = total > 0
         out = acc / tl.where(seen, total, 1.0)[:, None]
         lse = tl.where(seen, (running_max + tl.log2(total)) * 0.6931471805599453, float("-inf"))
         tl.store(
-            OUT + b * stride_ob + rows[:, None] * stride_om + dv[None, :], out, mask=row_ok[:, None]
+            OUT + split * stride_os + b * stride_ob + rows[:, None] * stride_om + dv[None, :],
+            out,
+            mask=row_ok[:, None],
         )
-        tl.store(LSE + b * stride_lb + rows, lse, mask=row_ok)
+        tl.store(LSE + split * stride_ls + b * stride_lb + rows, lse, mask=row_ok)
 
     return kernel

@@ -5,8 +5,8 @@ every tile with `score`, in value and in gradient."""
 import pytest
 import torch
 
-from rewa.attention import cuda_kernel, dense_attention
-from rewa.attention.numerics import apply_stages_
+from rewa.attention import cuda_kernel, dense_attention, merge_attention
+from rewa.attention.numerics import NearScreens, apply_stages_
 from tests.support import FUSED, TOLERANCES, build_geometry
 
 F64 = TOLERANCES[torch.float64]
@@ -175,6 +175,83 @@ def test_kernel_extra_columns_complete_the_products(name):
         expected = term.queries @ term.keys.transpose(-1, -2)
         torch.testing.assert_close(product, expected.expand_as(product), **F64)
         start += width
+
+
+@pytest.mark.parametrize("name", ["euclidean", "sphere", "poincare", "product"])
+def test_kernel_near_operands_give_the_cpu_screen_and_the_direct_distances(name):
+    """The kernel recomputes near pairs as `numerics.refine_near_pairs` does on the CPU: from
+    its per-point numbers, `r0 c0 + r1 c1` is the screen's bound of every pair and
+    `r2 c2 |x_i - y_j|^2` the pair's weighted squared distance (PackedTerms)."""
+    g = build_geometry(name, 12, heads=3).float()
+    q, k, _ = inputs(torch.float32, d=12, batch=(2, 3))
+    with torch.no_grad():
+        terms = g.score_terms(g.witness(q), g.witness(k))
+        packed = cuda_kernel.pack_terms(terms, torch.Size((2, 3)))
+    assert all(term.near is not None for term in terms)
+    offset = 0
+    for slot, (term, dim) in enumerate(zip(terms, packed.near_dims[: len(terms)], strict=True)):
+        x, y, x_weight, y_weight, factor = term.near
+        assert dim == x.shape[-1]
+        r0, r1, r2 = (packed.near_rows[..., 3 * slot + i, None] for i in range(3))
+        c0, c1, c2 = (packed.near_cols[..., None, :, 3 * slot + i] for i in range(3))
+        screen = NearScreens(x, y, x_weight, y_weight, factor, torch.float32)
+        x2, y2 = (t.expand(2, 3, -1).reshape(6, -1) for t in (screen.x2, screen.y2))
+        xw, yw = (t.expand(2, 3, -1).reshape(6, -1) for t in (screen.x_weight, screen.y_weight))
+        bound = (
+            screen.scale
+            * (x2[..., :, None] + y2[..., None, :])
+            * (xw[..., :, None] * yw[..., None, :])
+        )
+        torch.testing.assert_close(r0 * c0 + r1 * c1, bound, rtol=1e-6, atol=0)
+        xs = packed.near_queries[..., offset : offset + dim]
+        ys = packed.near_keys[..., offset : offset + dim]
+        direct = r2 * c2 * torch.cdist(xs.double(), ys.double()).square()
+        weights = 1.0 if x_weight is None else x_weight[..., :, None] * y_weight[..., None, :]
+        expected = factor * weights * torch.cdist(x.double(), y.double()).square()
+        torch.testing.assert_close(direct, expected.expand(2, 3, -1, -1).reshape(6, 67, 150))
+        offset += dim
+    assert packed.near_queries.shape == (6, 67, offset)
+
+
+def test_kernel_near_operands_are_empty_without_near_pairs():
+    g = build_geometry("dot", 8)
+    q, k, _ = inputs(torch.float32, d=8, batch=(2,))
+    packed = cuda_kernel.pack_terms(g.score_terms(g.witness(q), g.witness(k)), torch.Size((2,)))
+    assert packed.near_dims == (0, 0, 0)
+    assert not packed.near_rows.any() and not packed.near_cols.any()
+
+
+def test_kernel_splits_keys_only_where_query_blocks_leave_the_gpu_idle():
+    # One head of 8192 queries: 128 blocks of 64 rows for 132 multiprocessors, so 5 ranges.
+    assert cuda_kernel.key_splits(1, 8192, 8192, 132) == 5
+    assert cuda_kernel.key_splits(8, 8192, 8192, 132) == 1  # 1024 blocks: enough
+    assert cuda_kernel.key_splits(1, 32768, 32768, 132) == 2
+    assert cuda_kernel.key_splits(32, 1, 131072, 132) == 17  # a decode step
+    assert cuda_kernel.key_splits(1, 4, 1500, 132) == 1  # ranges of at least 1024 keys
+    assert cuda_kernel.key_splits(1, 4, 0, 132) == 1
+
+
+def test_kernel_key_ranges_merge_as_attention_over_their_union():
+    """`_merged_splits` of per-range `(out, lse)` is the attention over every key, rows that no
+    range saw included (0, -inf)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 12, generator=generator, dtype=torch.float64)
+    logits[:, 0] = float("-inf")
+    values = torch.randn(2, 12, 3, generator=generator, dtype=torch.float64)
+    parts = []
+    for keys in (slice(0, 4), slice(4, 8), slice(8, 12)):
+        part_logits = logits[..., keys].clone()
+        part_logits[1, 2] = float("-inf")  # a row one range does not see
+        lse = part_logits.logsumexp(-1)
+        out = torch.softmax(part_logits, -1).nan_to_num(0.0) @ values[:, keys]
+        parts.append((out, lse))
+    out, lse = cuda_kernel._merged_splits(
+        torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    )
+    expected_out, expected_lse = merge_attention(*parts)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(lse, expected_lse)
+    assert (out[:, 0] == 0).all() and torch.isneginf(lse[:, 0]).all()
 
 
 def test_kernel_applies_only_to_float32_cuda_calls_without_a_user_mask(monkeypatch):
