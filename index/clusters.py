@@ -75,6 +75,9 @@ from rewa.attention import Geometry, Lift
 
 from .faiss_index import faiss, faiss_device
 from .growth import retrains, trained_prefix
+from .kmeans import kmeans as torch_kmeans
+from .kmeans import nearest as nearest_centroids
+from .kmeans import on_device
 
 DEFAULT_RANK = 4
 DEFAULT_KEYS_PER_CLUSTER = 512
@@ -536,7 +539,10 @@ class ClusterHeads:
 def kmeans(
     points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
 ) -> torch.Tensor:
-    """FAISS k-means: the centroids `(n_clusters, P)` (float32, on the CPU)."""
+    """FAISS k-means: the centroids `(n_clusters, P)` (float32, on the CPU); for points on a
+    GPU that FAISS cannot use, the same k-means in PyTorch there (`index/kmeans.py`)."""
+    if on_device(points, faiss_device(device)) and n_clusters > 1:
+        return torch_kmeans(points, n_clusters, iterations, seed, max_points_per_centroid=64)
     x = np.ascontiguousarray(points.detach().to("cpu", torch.float32).numpy())
     if n_clusters == 1:
         return torch.from_numpy(x.mean(0, keepdims=True))
@@ -570,8 +576,11 @@ def _refined(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each point's nearest centroid `(n,)` (FAISS's exact search, in float32) and its Euclidean
-    distance to it `(n,)` in the points' dtype."""
+    """Each point's nearest centroid `(n,)` (FAISS's exact search, in float32; PyTorch's on a GPU
+    that FAISS cannot use) and its Euclidean distance to it `(n,)` in the points' dtype."""
+    if on_device(points, faiss_device()):
+        labels = nearest_centroids(points, centroids)
+        return labels, (points - centroids[labels]).norm(dim=-1)
     search = faiss.IndexFlatL2(centroids.shape[-1])
     search.add(np.ascontiguousarray(centroids.detach().to("cpu", torch.float32).numpy()))
     _, found = search.search(np.ascontiguousarray(points.detach().to("cpu", torch.float32)), 1)

@@ -27,12 +27,14 @@ import torch
 
 from rewa.attention import Geometry, Lift
 
+from . import kmeans
 from .candidates import best_candidates
 from .growth import retrains, trained_prefix
 from .option_checks import check_fraction, check_int, check_optional_bool
 
 try:
     import faiss
+    from faiss.contrib.ivf_tools import add_preassigned
 except ImportError as error:  # rewa installed without its cpu or gpu extra
     raise ImportError(
         "rewa.index needs a FAISS build: pip install 'rewa[cpu]' (faiss-cpu) or 'rewa[gpu]' "
@@ -158,11 +160,14 @@ class LiftIndex:
 
     def _keys(self, vectors: torch.Tensor) -> np.ndarray:
         """Key vectors as FAISS takes them (augmented with the radius already decided)."""
-        x = vectors.detach().to("cpu", torch.float32)
-        if self.augmented:
-            squared = x.square().sum(-1, keepdim=True)
-            x = torch.cat([x, (self.radius**2 - squared).clamp_min(0).sqrt()], dim=-1)
-        return _as_faiss(x)
+        return _as_faiss(self._augmented(vectors.detach().to("cpu", torch.float32)))
+
+    def _augmented(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys `x` with the augmentation column where this lift is indexed in L2."""
+        if not self.augmented:
+            return x
+        squared = x.square().sum(-1, keepdim=True)
+        return torch.cat([x, (self.radius**2 - squared).clamp_min(0).sqrt()], dim=-1)
 
     def _queries(self, vectors: torch.Tensor) -> np.ndarray:
         x = vectors.detach().to("cpu", torch.float32)
@@ -190,11 +195,15 @@ class LiftIndex:
     def add(self, vectors: torch.Tensor) -> None:
         """Index `(n, dim)` vectors, replacing earlier content. IVF trains on the first
         `trained_prefix(n)` of them (and an inner-product lift decides its augmentation there),
-        so `add(x[:m])` then `extend(x[m:])` builds the same index as `add(x)`."""
+        so `add(x[:m])` then `extend(x[m:])` builds the same index as `add(x)`. IVF over vectors
+        on a GPU that FAISS cannot use trains and assigns there (`kmeans`)."""
         prefix = vectors[: trained_prefix(vectors.shape[0])].detach().to("cpu", torch.float32)
         self.radius = None
         if self._should_augment(prefix):
             self.radius = prefix.square().sum(-1).max().sqrt().item()
+        if self.settings.kind == "ivf" and kmeans.on_device(vectors, self.device):
+            self._add_trained_on_device(vectors, len(prefix))
+            return
         x = self._keys(vectors)
         index = self._build(x.shape[1], len(prefix))
         if self.device == "cuda":
@@ -204,6 +213,26 @@ class LiftIndex:
         index.add(x)
         self.index = index
         self._lists = None
+
+    def _add_trained_on_device(self, vectors: torch.Tensor, n_trained: int) -> None:
+        """`add` for IVF with the k-means and the assignment of every key computed in PyTorch
+        on the vectors' device (as FAISS's IVF training does them: the same sample size,
+        iterations and seed), then handed to a CPU FAISS index as its centroids and lists."""
+        x = self._augmented(vectors.detach().to(torch.float32))
+        index = self._build(x.shape[1], n_trained)
+        metric = "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
+        centroids = kmeans.kmeans(
+            x[:n_trained], index.nlist, index.cp.niter, index.cp.seed,
+            self.settings.train_points_per_list, metric,
+        )  # fmt: skip
+        index.quantizer.add(_as_faiss(centroids))
+        index.is_trained = True
+        labels = kmeans.nearest(x, centroids, metric)
+        add_preassigned(index, _as_faiss(x), labels.cpu().numpy())
+        self.index = index
+        order = labels.argsort(stable=True)  # ids ascending within each list, as FAISS adds them
+        sizes = torch.bincount(labels, minlength=index.nlist).tolist()
+        self._lists = {vectors.device: list(order.split(sizes))}
 
     def extend(self, vectors: torch.Tensor) -> None:
         """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF)
@@ -222,19 +251,23 @@ class LiftIndex:
         if self.settings.kind != "ivf" or self.index is None:
             raise RuntimeError("LiftIndex.lists needs a built IVF index")
         device = torch.device(device)
+        cpu = torch.device("cpu")
         if self._lists is None:
-            ivf = faiss.extract_index_ivf(self.index)
+            self._lists = {}
+        if device in self._lists:
+            return self._lists[device]
+        if cpu not in self._lists:
+            index = faiss.index_gpu_to_cpu(self.index) if self.device == "cuda" else self.index
+            ivf = faiss.extract_index_ivf(index)
             invlists = ivf.invlists
-            self._lists = {
-                torch.device("cpu"): [
-                    torch.from_numpy(
-                        faiss.rev_swig_ptr(invlists.get_ids(c), invlists.list_size(c)).copy()
-                    ).long()
-                    for c in range(ivf.nlist)
-                ]
-            }
+            self._lists[cpu] = [
+                torch.from_numpy(
+                    faiss.rev_swig_ptr(invlists.get_ids(c), invlists.list_size(c)).copy()
+                ).long()
+                for c in range(ivf.nlist)
+            ]
         if device not in self._lists:
-            self._lists[device] = [ids.to(device) for ids in self._lists[torch.device("cpu")]]
+            self._lists[device] = [ids.to(device) for ids in self._lists[cpu]]
         return self._lists[device]
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,17 +37,21 @@ from .clusters import key_features, query_features
 from .faiss_index import GeometryIndex, LiftIndex, faiss
 from .tail.estimate import log_mean_weight
 
-ESTIMATE_BLOCK = 8192  # queries whose probed lists are estimated at once
+ESTIMATE_BLOCK = 8192  # queries whose probed lists are estimated at once on the CPU
+# On a GPU: more queries at once (a block's tables are megabytes; fewer blocks, fewer launches).
+DEVICE_ESTIMATE_BLOCK = 65536
+# `_padded_list_attention` (a GPU's path): the (query, list) pairs of one list scored together,
+# and the logits of one chunk of such blocks at most (elements; 2^26 are 256 MiB in float32).
+PAIRS_PER_BLOCK = 128
+PADDED_CHUNK_ELEMENTS = 1 << 26
 SHORTLIST = 2  # lists estimated per probed list, picked by their keys' mean similarity
 
 
 def supports_ivf_blocks(index: object) -> bool:
-    """True for a `GeometryIndex` with one IVF part (every geometry but the product)."""
+    """True for a `GeometryIndex` with one IVF part (every geometry but the product), on
+    either FAISS device (the lists are read from it once, `LiftIndex.lists`)."""
     return (
-        isinstance(index, GeometryIndex)
-        and index.settings.kind == "ivf"
-        and len(index.parts) == 1
-        and index.parts[0].device == "cpu"
+        isinstance(index, GeometryIndex) and index.settings.kind == "ivf" and len(index.parts) == 1
     )
 
 
@@ -159,8 +163,9 @@ def probes_by_mass(
     shortlisted = min(SHORTLIST * nprobe, len(moments.nonempty))
     nprobe = min(nprobe, shortlisted)
     probes = []
-    for start in range(0, queries_w.shape[0], ESTIMATE_BLOCK):
-        block = queries_w[start : start + ESTIMATE_BLOCK].detach()
+    step = ESTIMATE_BLOCK if queries_w.device.type == "cpu" else DEVICE_ESTIMATE_BLOCK
+    for start in range(0, queries_w.shape[0], step):
+        block = queries_w[start : start + step].detach()
         features = query_features(index.geometry.lift(block, "query"))
         a = features.a
         mean, candidates = shortlist(moments, a, shortlisted)
@@ -208,10 +213,16 @@ def ivf_block_attention(
     `keys_w` are the key witnesses to score (default: the indexed ones, which carry no
     gradient); pass witnesses computed under autograd for gradients to the keys."""
     geometry: Geometry = index.geometry
+    keys_w = index.keys if keys_w is None else keys_w
+    needs_grad = _needs_grad(queries_w, keys_w, values, *geometry.parameters())
+    if queries_w.device.type != "cpu" and not needs_grad:
+        lists = index.parts[0].lists(queries_w.device)
+        tolerance = 0.0 if positions is not None else index.settings.probe_mass
+        probes = probes_by_mass(index, queries_w, index.settings.nprobe, tolerance)
+        return _padded_list_attention(geometry, queries_w, keys_w, values, lists, probes, positions)
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w, positions is not None)
     n_queries, nprobe = probes.shape
-    keys_w = index.keys if keys_w is None else keys_w
-    if not _needs_grad(queries_w, keys_w, values, *geometry.parameters()):
+    if not needs_grad:
         return _running_attention(
             geometry, queries_w, keys_w, values, lists, pair_order // nprobe, bounds, positions
         )
@@ -294,6 +305,103 @@ def _running_attention(
     out = out / torch.where(seen, total, 1).unsqueeze(-1)
     lse = torch.where(seen, top + total.log(), float("-inf"))
     return out, lse
+
+
+def _padded_list_attention(
+    geometry: Geometry,
+    queries_w: torch.Tensor,
+    keys_w: torch.Tensor,
+    values: torch.Tensor,
+    lists: list[torch.Tensor],
+    probes: torch.Tensor,
+    positions: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ivf_block_attention` without autograd in a few large batched operations, for a GPU,
+    where `_running_attention`'s few operations per list cost more to launch than to run.
+
+    The (query, list) pairs are grouped by list into blocks of at most `PAIRS_PER_BLOCK` pairs
+    of one list; blocks ordered by their list's size are scored in chunks as one batched
+    product `(blocks, pairs, keys)`, each block against its list's keys padded to the longest
+    list of the chunk (`PADDED_CHUNK_ELEMENTS` logits at most). Each pair's softmax over its
+    list gives `(out, lse)` per pair; a query's pairs merge as `merge_attention` merges parts
+    (docs/indexes.md, "IVF lists on a GPU"). The same keys as `_running_attention`, the same
+    exact attention over them."""
+    device = queries_w.device
+    n_queries, nprobe = probes.shape
+    sizes = torch.tensor([len(ids) for ids in lists], device=device)
+    list_starts = sizes.cumsum(0) - sizes
+    list_ids = torch.cat(lists)
+    # The pairs of each list, and each pair's block: the lists' pairs in blocks of
+    # PAIRS_PER_BLOCK, the blocks of shorter lists first.
+    pair_list = probes.flatten()
+    read = (pair_list >= 0) & (sizes[pair_list.clamp_min(0)] > 0)
+    pairs = read.nonzero().squeeze(-1)
+    pair_list = pair_list[pairs]
+    by_size = torch.sort(sizes, stable=True).indices
+    rank_of_list = torch.empty_like(by_size).scatter_(
+        0, by_size, torch.arange(len(lists), device=device)
+    )
+    order = torch.sort(rank_of_list[pair_list], stable=True).indices
+    pairs, pair_list = pairs[order], pair_list[order]
+    pairs_per_list = torch.bincount(pair_list, minlength=len(lists))
+    blocks_per_list = (pairs_per_list + PAIRS_PER_BLOCK - 1) // PAIRS_PER_BLOCK
+    first_pair, first_block = (
+        _starts_in_order(counts, by_size) for counts in (pairs_per_list, blocks_per_list)
+    )
+    rank = torch.arange(len(pairs), device=device) - first_pair[pair_list]
+    pair_block = first_block[pair_list] + rank // PAIRS_PER_BLOCK
+    n_blocks = int(blocks_per_list.sum())
+    block_pairs = torch.full((n_blocks, PAIRS_PER_BLOCK), -1, dtype=torch.long, device=device)
+    block_pairs[pair_block, rank % PAIRS_PER_BLOCK] = pairs
+    block_list = torch.zeros(n_blocks, dtype=torch.long, device=device)
+    block_list[pair_block] = pair_list
+    block_size = sizes[block_list]
+    # Chunks of consecutive blocks (ascending list size) within PADDED_CHUNK_ELEMENTS logits.
+    widths = block_size.tolist()
+    outs = values.new_zeros(n_queries * nprobe, values.shape[-1])
+    lses = queries_w.new_full((n_queries * nprobe,), float("-inf"))
+    start = 0
+    while start < n_blocks:
+        stop = start + 1
+        while (
+            stop < n_blocks
+            and (stop + 1 - start) * PAIRS_PER_BLOCK * widths[stop] <= PADDED_CHUNK_ELEMENTS
+        ):
+            stop += 1
+        width = widths[stop - 1]
+        chunk_pairs = block_pairs[start:stop]
+        chunk_lists = block_list[start:stop]
+        slots = torch.arange(width, device=device)
+        in_list = slots < sizes[chunk_lists, None]
+        ids = list_ids[(list_starts[chunk_lists, None] + slots).clamp_max(len(list_ids) - 1)]
+        queries = chunk_pairs.clamp_min(0) // nprobe
+        logits = geometry.score(queries_w[queries], keys_w[ids])
+        masked = ~in_list.unsqueeze(1)
+        if positions is not None:
+            masked = masked | (ids.unsqueeze(1) > positions[queries].unsqueeze(-1))
+        logits = logits.masked_fill_(masked, float("-inf"))
+        top = logits.amax(-1, keepdim=True)
+        reference = torch.where(torch.isfinite(top), top, 0.0)
+        weights = logits.sub_(reference).exp_()
+        total = weights.sum(-1)
+        out = torch.bmm(weights.to(values.dtype), values[ids])
+        out = out / torch.where(total > 0, total, 1).unsqueeze(-1).to(out.dtype)
+        lse = torch.where(total > 0, reference.squeeze(-1) + total.log(), float("-inf"))
+        valid = chunk_pairs >= 0
+        outs[chunk_pairs[valid]] = out[valid]
+        lses[chunk_pairs[valid]] = lse[valid]
+        start = stop
+    # The pairs of a query merged as merge_attention merges parts.
+    lses = lses.view(n_queries, nprobe)
+    lse = lses.logsumexp(-1)
+    weights = (lses - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp_().unsqueeze(-1)
+    return (outs.view(n_queries, nprobe, -1) * weights.to(outs.dtype)).sum(1), lse
+
+
+def _starts_in_order(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Where each list's run starts when the runs of `counts` (per list) lie in `order`."""
+    in_order = counts[order]
+    return torch.empty_like(counts).scatter_(0, order, in_order.cumsum(0) - in_order)
 
 
 def ivf_block_topk(

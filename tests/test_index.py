@@ -461,6 +461,37 @@ def test_ivf_block_attention_is_the_same_with_and_without_autograd(name, causal)
     torch.testing.assert_close(running[1], kept[1].detach(), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["dot", "poincare"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("pairs", "elements"), [(4, 2000), (128, 1 << 26)])
+def test_padded_list_blocks_attend_as_the_running_softmax(
+    name, causal, pairs, elements, monkeypatch
+):
+    """A GPU's path (`_padded_list_attention`: blocks of pairs of one list, padded chunks, merged
+    per query) attends to the same keys as the CPU's running softmax, with the same result:
+    with many small blocks and chunks, and with one chunk."""
+    from rewa.index import ivf_blocks
+
+    monkeypatch.setattr(ivf_blocks, "PAIRS_PER_BLOCK", pairs)
+    monkeypatch.setattr(ivf_blocks, "PADDED_CHUNK_ELEMENTS", elements)
+    g = build_geometry(name, 8)
+    x = torch.randn(600, 8, dtype=torch.float64) * 0.5
+    v = torch.randn(600, 3, dtype=torch.float64)
+    # probe_mass 0.3: queries leave their least massive probed lists unread.
+    index = build_index(x, g, "ivf", nlist=12, nprobe=4, probe_mass=0.3)
+    positions = torch.arange(600) if causal else None
+    with torch.no_grad():
+        qw = g.witness(x)
+        running = ivf_blocks.ivf_block_attention(index, qw, v, positions=positions)
+        lists = index.parts[0].lists()
+        tolerance = 0.0 if causal else index.settings.probe_mass
+        probes = ivf_blocks.probes_by_mass(index, qw, index.settings.nprobe, tolerance)
+        assert (probes < 0).any() or causal  # some queries read fewer lists
+        padded = ivf_blocks._padded_list_attention(g, qw, index.keys, v, lists, probes, positions)
+    torch.testing.assert_close(padded[0], running[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(padded[1], running[1], rtol=1e-12, atol=1e-12)
+
+
 def test_retrieval_attends_to_every_probed_key_by_default():
     """The default reads every key of the probed lists: more of the mass than their best K, so
     a smaller error, from the same index."""

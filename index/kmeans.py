@@ -1,0 +1,72 @@
+"""k-means and nearest-centroid assignment in PyTorch, on the points' device: what the IVF lists
+(`faiss_index.LiftIndex`) and the tail clusters (`clusters.KeyClusters`) use on a GPU when the
+FAISS build has no GPU support (`on_device`), instead of copying the points to the CPU for
+FAISS (docs/indexes.md, "IVF lists on a GPU").
+
+The algorithm is FAISS's `Clustering` with the settings rewa gives it: a seeded sample of at
+most `max_points_per_centroid` points per centroid, centroids started at distinct sample points,
+`iterations` Lloyd steps of exact assignment (a matrix product per block of points) and mean
+update. A centroid left without points is moved to a sample point drawn with the same seed
+(FAISS splits the largest cluster instead; both keep every centroid in use)."""
+
+from __future__ import annotations
+
+import torch
+
+# Points assigned per matrix product: (points x centroids) float32 scores at most this many.
+ASSIGN_ELEMENTS = 1 << 27
+
+
+def on_device(points: torch.Tensor, faiss_device: str) -> bool:
+    """Whether k-means and assignment of `points` run here in PyTorch: the points are on a
+    CUDA device and FAISS (`faiss_device`, "cpu" or "cuda") cannot use it."""
+    return points.device.type == "cuda" and faiss_device == "cpu"
+
+
+@torch.no_grad()
+def kmeans(
+    points: torch.Tensor,
+    n_clusters: int,
+    iterations: int,
+    seed: int,
+    max_points_per_centroid: int = 64,
+    metric: str = "l2",
+) -> torch.Tensor:
+    """The centroids `(n_clusters, D)` of `points (n, D)` (float32, on the points' device);
+    `metric` "l2" or "ip" (a point joins the centroid of largest inner product, as FAISS's
+    inner-product quantizer assigns)."""
+    if not 1 <= n_clusters <= points.shape[0]:
+        raise ValueError(f"expected 1 <= n_clusters <= {points.shape[0]}, got {n_clusters}")
+    x = points.detach().to(torch.float32)
+    generator = torch.Generator(device=x.device).manual_seed(seed)
+    sample = max_points_per_centroid * n_clusters
+    if x.shape[0] > sample:
+        x = x[torch.randperm(x.shape[0], generator=generator, device=x.device)[:sample]]
+    start = torch.randperm(x.shape[0], generator=generator, device=x.device)[:n_clusters]
+    centroids = x[start].clone()
+    for _ in range(iterations):
+        labels = nearest(x, centroids, metric)
+        counts = torch.bincount(labels, minlength=n_clusters).unsqueeze(-1)
+        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
+        spare = x[torch.randint(x.shape[0], (n_clusters,), generator=generator, device=x.device)]
+        centroids = torch.where(counts > 0, sums / counts.clamp_min(1), spare)
+    return centroids
+
+
+@torch.no_grad()
+def nearest(points: torch.Tensor, centroids: torch.Tensor, metric: str = "l2") -> torch.Tensor:
+    """Each point's centroid `(n,)`: the nearest in L2, or of largest inner product ("ip"),
+    from float32 matrix products in blocks of `ASSIGN_ELEMENTS` scores."""
+    if metric not in ("l2", "ip"):
+        raise ValueError(f"expected metric 'l2' or 'ip', got {metric!r}")
+    x = points.detach().to(torch.float32)
+    c = centroids.detach().to(torch.float32)
+    # argmin |x - c|^2 = argmax 2 x.c - |c|^2
+    bias = None if metric == "ip" else -c.square().sum(-1)
+    step = max(1, ASSIGN_ELEMENTS // max(1, c.shape[0]))
+    labels = []
+    for begin in range(0, x.shape[0], step):
+        block = x[begin : begin + step]
+        scores = block @ c.T if bias is None else torch.addmm(bias, block, c.T, alpha=2)
+        labels.append(scores.argmax(-1))
+    return torch.cat(labels) if labels else torch.zeros(0, dtype=torch.long, device=x.device)

@@ -1,0 +1,149 @@
+"""k-means and assignment in PyTorch (index/kmeans.py), the GPU's path when FAISS has no GPU
+support; here on the CPU, where they compute the same things."""
+
+import numpy as np
+import pytest
+import torch
+
+from rewa.index import build_index, kmeans
+from rewa.index.faiss_index import IndexSettings, LiftIndex, faiss
+
+
+def blobs(n_centres=8, per_centre=200, d=6, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(n_centres, d, generator=generator) * 10
+    labels = torch.arange(n_centres).repeat_interleave(per_centre)
+    points = centres[labels] + 0.1 * torch.randn(len(labels), d, generator=generator)
+    return points, centres, labels
+
+
+def inertia(points, centroids):
+    return torch.cdist(points.double(), centroids.double()).min(-1).values.square().sum().item()
+
+
+def test_kmeans_fits_as_well_as_faiss_kmeans():
+    """The same Lloyd iterations as FAISS's k-means from other random starts: over several
+    seeds a fit as tight (the sum of squared distances to the nearest centroid) on mixtures of
+    many components. One start may land 15 % above or below FAISS's; the total may not."""
+    ours, theirs = 0.0, 0.0
+    for seed in range(4):
+        points, _, _ = blobs(n_centres=64, per_centre=100, d=16, seed=seed)
+        noise = torch.randn(points.shape, generator=torch.Generator().manual_seed(seed))
+        points = points + 3 * noise
+        found = kmeans.kmeans(points, 64, iterations=10, seed=seed, max_points_per_centroid=64)
+        assert found.shape == (64, 16) and found.dtype == torch.float32
+        reference = faiss.Kmeans(16, 64, niter=10, seed=seed, max_points_per_centroid=64)
+        reference.train(np.ascontiguousarray(points.numpy()))
+        ours += inertia(points, found)
+        theirs += inertia(points, torch.from_numpy(reference.centroids))
+        start = points[torch.randperm(len(points), generator=torch.Generator().manual_seed(9))]
+        assert inertia(points, found) < 0.8 * inertia(points, start[:64])
+    assert ours <= 1.05 * theirs
+
+
+def test_kmeans_keeps_every_centroid_in_use_and_is_seeded():
+    points, _, _ = blobs(n_centres=3)
+    first = kmeans.kmeans(points, 12, iterations=10, seed=7)
+    again = kmeans.kmeans(points, 12, iterations=10, seed=7)
+    assert torch.equal(first, again)
+    assert torch.isfinite(first).all()
+    with pytest.raises(ValueError, match="n_clusters"):
+        kmeans.kmeans(points[:5], 6, iterations=1, seed=0)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_nearest_is_the_brute_force_assignment(metric, monkeypatch):
+    generator = torch.Generator().manual_seed(3)
+    points = torch.randn(1000, 5, generator=generator)
+    centroids = torch.randn(17, 5, generator=generator)
+    monkeypatch.setattr(kmeans, "ASSIGN_ELEMENTS", 17 * 64)  # 16 blocks of 64 points
+    got = kmeans.nearest(points, centroids, metric)
+    if metric == "l2":
+        expected = torch.cdist(points.double(), centroids.double()).argmin(-1)
+    else:
+        expected = (points.double() @ centroids.double().T).argmax(-1)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="metric"):
+        kmeans.nearest(points, centroids, "cosine")
+
+
+def test_on_device_needs_cuda_points_and_a_cpu_faiss():
+    assert not kmeans.on_device(torch.zeros(2, 2), "cpu")
+
+    class CudaPoints:
+        device = torch.device("cuda")
+
+    assert kmeans.on_device(CudaPoints(), "cpu")
+    assert not kmeans.on_device(CudaPoints(), "cuda")
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric, monkeypatch):
+    """The GPU path of `LiftIndex.add` (forced here on the CPU): FAISS holds the PyTorch
+    centroids and each key in the list of its nearest one, `lists()` answers the same lists
+    before and after they are read back from FAISS, and search finds each key itself."""
+    points, _, _ = blobs(n_centres=16, per_centre=100, d=8)
+    monkeypatch.setattr(kmeans, "on_device", lambda vectors, device: True)
+    lift = LiftIndex(metric, IndexSettings(kind="ivf", nlist=16, nprobe=16))
+    lift.add(points)
+    ivf = faiss.extract_index_ivf(lift.index)
+    centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist))
+    labels = kmeans.nearest(
+        lift._augmented(points), centroids, "l2" if lift.augmented or metric == "l2" else "ip"
+    )
+    on_device = lift.lists()
+    assert [ids.tolist() for ids in on_device] == [
+        torch.nonzero(labels == c).squeeze(-1).tolist() for c in range(16)
+    ]
+    lift._lists = None  # read back from FAISS's inverted lists
+    assert [ids.tolist() for ids in lift.lists()] == [ids.tolist() for ids in on_device]
+    assert lift.ntotal == len(points)
+    if metric == "l2":
+        _, found = lift.search(points[:50], 1)
+        assert torch.equal(found[:, 0], torch.arange(50))
+
+
+def test_retrieval_over_an_index_trained_in_pytorch_matches_faiss_training(monkeypatch):
+    """Sparse attention through lists trained in PyTorch reads as many of the true neighbours
+    as through lists trained by FAISS."""
+    from benchmarks.data import clustered
+    from rewa.index import exact_topk, retrieval_attention, topk_recall
+    from rewa.index.ivf_blocks import probed_keys
+
+    data = clustered(8192)
+    g = data.geometry()
+    faiss_trained = build_index(data.k, g, "ivf")
+    monkeypatch.setattr(kmeans, "on_device", lambda vectors, device: True)
+    torch_trained = build_index(data.k, g, "ivf")
+    queries = data.q[:256]
+    with torch.no_grad():
+        qw = g.witness(queries)
+        exact = exact_topk(qw, g.witness(data.k), g, 16)
+        recalls = [
+            topk_recall(probed_keys(index, qw), exact).mean().item()
+            for index in (faiss_trained, torch_trained)
+        ]
+        out = retrieval_attention(queries, data.k, data.v, g, index=torch_trained)[0]
+    assert recalls[1] >= recalls[0] - 0.02 and recalls[1] > 0.9
+    assert torch.isfinite(out).all()
+
+
+def test_tail_clusters_trained_in_pytorch_estimate_as_well(monkeypatch):
+    """KeyClusters built with PyTorch's k-means and assignment (forced here on the CPU) give
+    tail attention as accurate as with FAISS's."""
+    from benchmarks.data import clustered
+    from rewa.attention import dense_attention
+    from rewa.index import KeyClusters, clusters, output_error, tail_attention
+
+    data = clustered(16384)
+    g = data.geometry()
+    queries = data.q[:256]
+    with torch.no_grad():
+        exact = dense_attention(queries, data.k, data.v, g)[0]
+        errors = []
+        for forced in (False, True):
+            monkeypatch.setattr(clusters, "on_device", lambda points, device, forced=forced: forced)
+            built = KeyClusters.build(g.witness(data.k), data.v, g)
+            out = tail_attention(g.witness(queries), built, budget=0.05)[0]
+            errors.append(output_error(out, exact).median().item())
+    assert errors[1] <= 1.5 * errors[0] + 1e-3
