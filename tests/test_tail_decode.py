@@ -77,7 +77,9 @@ def test_the_compiled_step_equals_the_batched_stages(monkeypatch, dtype, n_queri
         assert (found.keys_read < heads.heads[0].n_keys).all()  # clusters were estimated
 
 
-def test_a_budget_below_every_cluster_reads_nothing_and_estimates_all(monkeypatch):
+def test_a_budget_below_every_cluster_reads_each_querys_most_massive(monkeypatch):
+    """A budget smaller than any cluster still reads each query's most massive cluster (and
+    nothing else), in the compiled step as in the batched stages."""
     heads, centres = _stack(torch.float64)
     queries = _queries(centres, 3)
     smallest = float(heads.counts[heads.counts > 0].min())
@@ -86,7 +88,11 @@ def test_a_budget_below_every_cluster_reads_nothing_and_estimates_all(monkeypatc
         found = tail_attention_heads_with_reads(queries, heads, budget=budget)
         monkeypatch.setattr(decode_module, "COMPILED_STEP_ROWS", 0)
         expected = tail_attention_heads_with_reads(queries, heads, budget=budget)
-    assert (found.keys_read == 0).all()
+        log_mass = tail_module.estimate_clusters(queries, heads, heads.counts).log_mass
+    ordinary = log_mass.masked_fill(heads.exact_read.unsqueeze(1), float("-inf"))
+    most_massive = heads.counts.gather(1, ordinary.argmax(-1))
+    assert torch.equal(found.keys_read, most_massive.to(found.keys_read.dtype))
+    assert torch.equal(found.keys_read, expected.keys_read)
     torch.testing.assert_close(found.out, expected.out, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(found.lse, expected.lse, rtol=1e-10, atol=1e-10)
 

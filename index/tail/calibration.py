@@ -55,7 +55,16 @@ def calibrated(
     alpha = torch.where(torch.isfinite(target), alpha, torch.zeros_like(alpha))
     # Empty clusters (the padding of stacked heads) stay at -inf: their lerp of two -inf is NaN.
     inf = float("inf")
-    return torch.lerp(log_mass, floor, alpha.unsqueeze(-1)).nan_to_num_(-inf, inf, -inf)
+    if not alpha.requires_grad:
+        return torch.lerp(log_mass, floor, alpha.unsqueeze(-1)).nan_to_num_(-inf, inf, -inf)
+    # Under autograd the lerp's gradient to alpha has a NaN at every such entry (their
+    # difference, -inf - -inf): those entries are kept out of it.
+    finite = torch.isfinite(log_mass) & torch.isfinite(floor)
+    zero = torch.zeros_like(log_mass)
+    blended = torch.lerp(
+        torch.where(finite, log_mass, zero), torch.where(finite, floor, zero), alpha.unsqueeze(-1)
+    )
+    return torch.where(finite, blended, log_mass.detach().nan_to_num(-inf, inf, -inf))
 
 
 def _pairs_logsumexp(

@@ -253,7 +253,8 @@ def _select(
 ):  # fmt: skip
     """The clusters each query reads (selection.select_clusters): its `width` most massive
     outside exact_read, largest first (rounds of argmax: ties to the lower column), with the
-    exact_read ones right after the first, each taken if its keys still fit in the budget.
+    exact_read ones right after the first, the first always taken, each other if its keys still
+    fit in the budget.
     Flags them `chosen` `(nq, nc)`, adds their sizes to `reads`, and lists them as pairs
     `(query, cluster)`: `pair_query[0]`, `pair_cluster[0]` (`n_pairs[0]` of them) outside
     exact_read, `[1]` inside (exact._visited_apart)."""
@@ -286,7 +287,7 @@ def _select(
             size = counts[c]
             if exact_read[c] and not 1 <= position <= n_forced:
                 size = 0  # exact_read among the most massive: not in `ordinary_counts`
-            if 0 < size <= remaining:
+            if size > 0 and (size <= remaining or position == 0):  # the first always
                 remaining -= size
                 chosen[q, c] = True
                 part = 1 if exact_read[c] else 0

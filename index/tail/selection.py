@@ -5,7 +5,10 @@ budget holds at the average cluster size, plus 8), in descending order, each tak
 still fit in the `budget` (a fraction of the context's keys), with the clusters flagged
 `exact_read` (the outlier keys of `KeyClusters.build`) right after the most massive one: at
 the smallest budgets the query's own cluster goes first (what putting the outliers before it
-cost is measured in docs/library.md, "Cluster-tail attention")."""
+cost is measured in docs/library.md, "Cluster-tail attention"). The most massive is read even
+where it alone exceeds the budget: a budget smaller than one cluster (a short context at 1 %)
+would otherwise leave the query's mass unread and its output wrong by about its own size
+(docs/indexes.md, "A budget smaller than a cluster")."""
 
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ def select_clusters(
     exact_read: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
-    by estimate, in descending order, each taken if its keys still fit in `budget_keys`. The
+    by estimate, in descending order, the first always, each other taken if its keys still fit
+    in `budget_keys`. The
     clusters flagged `exact_read` come right after each query's most massive cluster, whatever
     their estimate: read by every query whose budget holds them besides that cluster.
 
@@ -59,9 +63,9 @@ def select_clusters(
         # The walk is `width` steps of a few small operations each, and numpy's cost less per
         # operation than PyTorch's (docs/benchmark-notes.md, "Measurements behind code choices").
         sizes = sizes.detach().numpy()
-    chosen = sizes > 0  # overwritten column by column
-    remaining = sizes[:, 0] * 0 + budget_keys
-    for column in range(sizes.shape[1]):
+    chosen = sizes > 0  # overwritten column by column; the most massive is read whatever its size
+    remaining = budget_keys - sizes[:, 0]
+    for column in range(1, sizes.shape[1]):
         size = sizes[:, column]
         chosen[:, column] = (size <= remaining) & (size > 0)
         remaining = remaining - size * chosen[:, column]
