@@ -191,7 +191,10 @@ def test_window_and_sink_keys_are_read_exactly_and_not_estimated_twice():
     for result in (every, full):
         torch.testing.assert_close(result[0], expected[0], rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(result[1], expected[1], rtol=1e-10, atol=1e-12)
-    assert (keys_read <= 40).all() and (keys_read >= 30).all()
+    # 10 keys of budget beside the 30 always read: less than any cluster, so each query reads
+    # its most massive cluster besides them, and nothing else.
+    assert (keys_read >= 30).all() and (keys_read <= 30 + clusters.counts.max()).all()
+    assert (keys_read > 30).all()
 
 
 @pytest.mark.parametrize("name", ["dot", "poincare", "product"])

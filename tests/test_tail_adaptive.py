@@ -92,9 +92,11 @@ def test_given_a_number_of_clusters_groups_stay_whole_unless_asked():
 
 
 def test_a_sharp_query_reads_its_most_massive_cluster_at_a_small_budget():
-    """Just below a doubling the k-means groups hold twice their trained size and more; uncut,
-    a sharp query's own group no longer fits in 2 % of the keys and is estimated instead
-    (the failure measured at 131k keys in a decode step, docs/benchmark-notes.md)."""
+    """Just below a doubling the k-means groups hold twice their trained size and more. Uncut,
+    a sharp query's own group no longer fits in 2 % of the keys: it is read all the same, 3x
+    past the budget (before, it was estimated instead: the failure measured at 131k keys in a
+    decode step, docs/benchmark-notes.md). Cut into pieces, the query reads within the budget,
+    and more accurately."""
     g = make_geometry("dot", 16).double()
     k, v, generator = _topics(16000)  # trained prefix 8192: 16 centres, groups of ~1000 keys
     q = _queries(k, generator, 128, scale=3.0)
@@ -106,8 +108,9 @@ def test_a_sharp_query_reads_its_most_massive_cluster_at_a_small_budget():
             result = tail_attention_with_reads(q, clusters, budget=0.02)
             errors[name] = quality(result.out, result.lse, *expected, result.keys_read, len(k))
     assert errors["cut"]["keys_read_frac"] <= 0.02
-    assert errors["uncut"]["err_median"] > 0.5  # the query's own group is not read
-    assert errors["cut"]["err_median"] < 0.2 * errors["uncut"]["err_median"]
+    assert errors["uncut"]["keys_read_frac"] > 3 * 0.02  # the query's own group, whole
+    assert errors["cut"]["err_median"] < errors["uncut"]["err_median"]
+    assert errors["cut"]["err_p99"] < 0.5 * errors["uncut"]["err_p99"]
 
 
 def _estimate(log_mass, floor):
