@@ -950,8 +950,17 @@ def _split(
     steps = (ascending.diff() > 0).nonzero().squeeze(-1) + 1  # i: ascending[i - 1] < ascending[i]
     if len(steps) == 0:
         return None
-    wanted = m * (n_pieces // 2) // n_pieces
-    at = int(steps[(steps - wanted).abs().argmin()])
+    # Among the places that cut the set into no more pieces than ceil(m / max_keys) in all,
+    # where the keys' projections leave a wide gap with many keys on both sides (the gap times
+    # the smaller side): between natural groups of keys, not through one, and not off a tail.
+    low, high = m - (n_pieces - 1) * max_keys, (n_pieces - 1) * max_keys
+    allowed = steps[(steps >= low) & (steps <= high)]
+    if len(allowed) == 0:
+        wanted = m * (n_pieces // 2) // n_pieces
+        at = int(steps[(steps - wanted).abs().argmin()])
+    else:
+        gap = ascending[allowed] - ascending[allowed - 1]
+        at = int(allowed[(gap * torch.minimum(allowed, m - allowed)).argmax()])
     threshold = (ascending[at - 1] + ascending[at]) / 2
     return axis, threshold, projection >= threshold
 

@@ -72,7 +72,11 @@ def test_extended_clusters_equal_clusters_built_at_once(geometry):
                 continue
             mine, theirs = getattr(grown, field.name), getattr(whole, field.name)
             if mine.dtype.is_floating_point:
-                torch.testing.assert_close(mine, theirs, rtol=1e-9, atol=1e-9)
+                # The same keys' moments summed in another order differ by float64 rounding,
+                # which the covariance's eigenvectors (`factor`) magnify by the inverse of its
+                # eigen-gaps.
+                tolerance = 1e-7 if field.name == "factor" else 1e-9
+                torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance)
             else:
                 assert torch.equal(mine, theirs), (stop, field.name)
     assert grown.n_keys == STEPS[-1] and grown.exact_read[-1]  # the outlier cluster
