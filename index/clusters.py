@@ -42,10 +42,11 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
 Pieces. A centre's keys form its group, and a group is cut into pieces, the clusters above
 (`group` names each one's centre). The first cuts are drawn on the group's trained keys: a set
 of more than `max_keys` of them is cut across its principal axis (the set's largest spread) at
-the threshold that leaves ceil(m / max_keys) pieces' worth of keys on the first side, and each
-side is cut again, so a piece is a compact slab of its group. Every key, trained or appended,
-goes down its group's cuts (`<b(k), axis> >= threshold`: second side) to its piece, and a piece
-that comes to hold more than `max_keys` keys is cut in two across the principal axis of its
+a wide gap between the keys' projections that keeps ceil(m / max_keys) pieces in all
+(`_split`; docs/mathematics.md 6, "Pieces"), and each side is cut again, so a piece is a compact
+slab of its group. Every key, trained or appended, goes down its group's cuts
+(`<b(k), axis> >= threshold`: second side) to its piece, and a piece that comes to hold more
+than `max_keys` keys is cut in two across the principal axis of its
 first `max_keys + 1` keys (its keys in context order), each side again while it holds too many.
 So no piece holds more than `max_keys` keys. Two reasons for pieces (docs/mathematics.md 6,
 "Pieces"): a query's most massive cluster must fit in a small budget (k-means groups range over
@@ -740,8 +741,9 @@ class _PieceTrees:
         """The cuts of the trained keys' `features` `(n_t, D)` in their groups `labels`, and
         each trained key's piece `(n_t,)` in them (what `pieces_of` finds for these keys, without
         walking them down the cuts again): a set of more than `max_keys` keys (0: none is cut)
-        is cut across its principal axis into parts sized for ceil(m / max_keys) pieces, and
-        each part cut again. The last group stays whole when `last_whole` (the outliers)."""
+        is cut across its principal axis where ceil(m / max_keys) pieces in all still suffice
+        (`_split`), and each part cut again. The last group stays whole when `last_whole` (the
+        outliers)."""
         axes, thresholds, children, pieces_group = [], [], [], []
         piece = torch.empty_like(labels)
 
@@ -937,9 +939,10 @@ def _split(
     features: torch.Tensor, max_keys: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """How to cut a set of keys with `features` `(m, D)` (float64) in two: its principal axis,
-    the threshold sized for ceil(m / max_keys) pieces between the parts (moved to the nearest
-    place where the projections differ), and which keys take the second side; None when the
-    set fits or cannot be cut (every projection equal)."""
+    the threshold between two consecutive projections where the gap times the keys on the
+    smaller side is largest, among the places that leave ceil(m / max_keys) pieces in all
+    (docs/mathematics.md 6, "Pieces"), and which keys take the second side; None when the set
+    fits or cannot be cut (every projection equal)."""
     m = features.shape[0]
     n_pieces = -(-m // max_keys)
     if n_pieces <= 1:
