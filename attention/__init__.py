@@ -16,7 +16,7 @@ from .geometry import (
     SoftplusTemperature,
 )
 from .graded import Graded
-from .merge import merge_attention
+from .merge import merge_attention, merge_stacked
 from .modules import GeometricAttention
 from .operator import Operator, path_score, path_score_low_rank
 from .poincare import PoincareBall
@@ -51,6 +51,7 @@ __all__ = [
     "expmap",
     "make_geometry",
     "merge_attention",
+    "merge_stacked",
     "path_score",
     "path_score_low_rank",
     "penumbral_height",

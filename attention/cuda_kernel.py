@@ -28,7 +28,8 @@ import torch
 from torch.nn import functional as F
 
 from .geometry import ScoreTerm
-from .numerics import NEAR_TOLERANCE, tiny
+from .merge import merge_stacked
+from .numerics import NearScreens, tiny
 
 MAX_TERMS = 3
 MAX_STAGES = 2
@@ -163,33 +164,33 @@ def pack_terms(terms: list[ScoreTerm], batch: torch.Size) -> PackedTerms:
 
 def _pack_near(terms: list[ScoreTerm], batch: torch.Size):
     """The near-pair operands of `PackedTerms`: `(near_queries, near_keys, near_rows, near_cols,
-    near_dims)`."""
+    near_dims)`, the screen's numbers taken from `numerics.NearScreens`."""
     n_q, n_k = terms[0].queries.shape[-2], terms[0].keys.shape[-2]
     device = terms[0].queries.device
     xs, ys, dims = [], [], []
     rows = torch.zeros(math.prod(batch), n_q, 3 * MAX_TERMS, device=device, dtype=torch.float32)
     cols = torch.zeros(math.prod(batch), n_k, 3 * MAX_TERMS, device=device, dtype=torch.float32)
-    eps = torch.finfo(torch.float32).eps
+
+    def flat(values: torch.Tensor) -> torch.Tensor:  # (..., n) -> (B, n)
+        return _flat(values.unsqueeze(-1), batch, 0)[..., 0]
+
     for slot, term in enumerate(terms):
         if term.near is None:
             dims.append(0)
             continue
         x, y, x_weight, y_weight, factor = term.near
-        x, y = (_flat(t.to(torch.float32), batch, 0) for t in (x, y))
-        x_weight, y_weight = (
-            torch.ones_like(t[..., 0]) if w is None else _flat(w.unsqueeze(-1), batch, 0)[..., 0]
-            for t, w in ((x, x_weight), (y, y_weight))
-        )
-        scale = NEAR_TOLERANCE * eps * factor
-        x2, y2 = x.square().sum(-1), y.square().sum(-1)
-        rows[..., 3 * slot] = scale * x2 * x_weight.abs()
-        rows[..., 3 * slot + 1] = scale * x_weight.abs()
-        rows[..., 3 * slot + 2] = factor * x_weight
-        cols[..., 3 * slot] = y_weight.abs()
-        cols[..., 3 * slot + 1] = y2 * y_weight.abs()
-        cols[..., 3 * slot + 2] = y_weight
-        xs.append(x)
-        ys.append(y)
+        x, y = x.to(torch.float32), y.to(torch.float32)
+        screen = NearScreens(x, y, x_weight, y_weight, factor, torch.float32)
+        x2, y2 = flat(screen.x2), flat(screen.y2)
+        x_size, y_size = flat(screen.x_weight), flat(screen.y_weight)
+        rows[..., 3 * slot] = screen.scale * x2 * x_size
+        rows[..., 3 * slot + 1] = screen.scale * x_size
+        rows[..., 3 * slot + 2] = factor * (1.0 if x_weight is None else flat(x_weight))
+        cols[..., 3 * slot] = y_size
+        cols[..., 3 * slot + 1] = y2 * y_size
+        cols[..., 3 * slot + 2] = 1.0 if y_weight is None else flat(y_weight)
+        xs.append(_flat(x, batch, 0))
+        ys.append(_flat(y, batch, 0))
         dims.append(x.shape[-1])
     dims += [0] * (MAX_TERMS - len(dims))
     if not xs:  # the kernel reads none of them
@@ -255,10 +256,7 @@ def fused_attention(
         DV=dv_padded, CAUSAL=causal, TINY=tiny(torch.float32), FLOOR=EXP2_FLOOR,
         PASSES=2 if any(near_dims) else 1, PRECISION=INPUT_PRECISION,
     )  # fmt: skip
-    if splits > 1:
-        out, lse = _merged_splits(out, lse)
-    else:
-        out, lse = out[0], lse[0]
+    out, lse = merge_stacked(out, lse) if splits > 1 else (out[0], lse[0])
     out = out[..., :dv].reshape(*batch, n_queries, dv)
     return out, lse.reshape(*batch, n_queries)
 
@@ -274,14 +272,6 @@ def key_splits(n_batch: int, n_queries: int, n_keys: int, multiprocessors: int) 
     if programs >= target:
         return 1
     return max(1, min(math.ceil(target / programs), n_keys // MIN_SPLIT_KEYS))
-
-
-def _merged_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key ranges' `(out (S, ..., dv), lse (S, ...))` merged as `merge_attention` merges
-    parts over disjoint keys; a row no range saw stays `(0, -inf)`."""
-    total = torch.logsumexp(lse, dim=0)
-    weights = torch.exp(lse - total.nan_to_num(neginf=0.0)).unsqueeze(-1)
-    return (out * weights).sum(0), total
 
 
 _multiprocessor_counts: dict[torch.device, int] = {}

@@ -25,3 +25,15 @@ def merge_attention(*parts: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Te
         weight = torch.exp(part_lse - finite).unsqueeze(-1).to(part_out.dtype)
         out = part_out * weight if out is None else out.addcmul_(part_out, weight)
     return out, lse
+
+
+def merge_stacked(
+    out: torch.Tensor, lse: torch.Tensor, dim: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge_attention` of parts stacked along `dim`: `out (..., P, ..., dv)` and
+    `lse (..., P, ...)` with the parts on axis `dim` of `lse` (a non-negative axis; the same axis
+    of `out`), in a few operations however many parts there are."""
+    total = torch.logsumexp(lse, dim=dim)
+    finite = total.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    weights = torch.exp(lse - finite.unsqueeze(dim)).unsqueeze(-1).to(out.dtype)
+    return (out * weights).sum(dim), total

@@ -76,9 +76,9 @@ from rewa.attention import Geometry, Lift
 
 from .faiss_index import faiss, faiss_device
 from .growth import retrains, trained_prefix
+from .kmeans import cluster_means, on_device
 from .kmeans import kmeans as torch_kmeans
 from .kmeans import nearest as nearest_centroids
-from .kmeans import on_device
 
 DEFAULT_RANK = 4
 DEFAULT_KEYS_PER_CLUSTER = 512
@@ -571,9 +571,7 @@ def _refined(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     this step the centroids are (close to) their clusters' means over every trained key, which
     the outlier distance is measured from."""
     labels, _ = _nearest(points, centroids)
-    counts = torch.bincount(labels, minlength=centroids.shape[0]).unsqueeze(-1)
-    sums = torch.zeros_like(centroids).index_add_(0, labels, points)
-    return torch.where(counts > 0, sums / counts.clamp_min(1).to(points.dtype), centroids)
+    return cluster_means(points, labels, centroids)
 
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rewa.attention import Geometry, merge_attention
+from rewa.attention import Geometry, merge_attention, merge_stacked
 from rewa.attention.sparse import softmax_attend
 
 from .block_scoring import block_scorer
@@ -187,12 +187,17 @@ def probes_by_mass(
     return torch.cat(probes)
 
 
-def _probe_pairs(index: GeometryIndex, queries_w: torch.Tensor, causal: bool = False):
-    """Lists, the lists each query reads `(nq, nprobe)` (-1: none; `probes_by_mass`, all
-    `nprobe` where `causal`), and the (query, probe) pairs grouped by list."""
+def _probes(index: GeometryIndex, queries_w: torch.Tensor, causal: bool = False):
+    """Lists, and the lists each query reads `(nq, nprobe)` (-1: none; `probes_by_mass`, all
+    `nprobe` where `causal`)."""
     lists = index.parts[0].lists(queries_w.device)
     tolerance = 0.0 if causal else index.settings.probe_mass
-    probes = probes_by_mass(index, queries_w, index.settings.nprobe, tolerance)
+    return lists, probes_by_mass(index, queries_w, index.settings.nprobe, tolerance)
+
+
+def _probe_pairs(index: GeometryIndex, queries_w: torch.Tensor, causal: bool = False):
+    """`_probes`, and the (query, probe) pairs grouped by list."""
+    lists, probes = _probes(index, queries_w, causal)
     pair_cell = probes.flatten()
     pair_order = pair_cell.argsort(stable=True)
     cells = torch.arange(len(lists) + 1, device=pair_cell.device)
@@ -216,9 +221,7 @@ def ivf_block_attention(
     keys_w = index.keys if keys_w is None else keys_w
     needs_grad = _needs_grad(queries_w, keys_w, values, *geometry.parameters())
     if queries_w.device.type != "cpu" and not needs_grad:
-        lists = index.parts[0].lists(queries_w.device)
-        tolerance = 0.0 if positions is not None else index.settings.probe_mass
-        probes = probes_by_mass(index, queries_w, index.settings.nprobe, tolerance)
+        lists, probes = _probes(index, queries_w, positions is not None)
         return _padded_list_attention(geometry, queries_w, keys_w, values, lists, probes, positions)
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w, positions is not None)
     n_queries, nprobe = probes.shape
@@ -391,11 +394,7 @@ def _padded_list_attention(
         outs[chunk_pairs[valid]] = out[valid]
         lses[chunk_pairs[valid]] = lse[valid]
         start = stop
-    # The pairs of a query merged as merge_attention merges parts.
-    lses = lses.view(n_queries, nprobe)
-    lse = lses.logsumexp(-1)
-    weights = (lses - lse.nan_to_num(neginf=0.0).unsqueeze(-1)).exp_().unsqueeze(-1)
-    return (outs.view(n_queries, nprobe, -1) * weights.to(outs.dtype)).sum(1), lse
+    return merge_stacked(outs.view(n_queries, nprobe, -1), lses.view(n_queries, nprobe), dim=1)
 
 
 def _starts_in_order(counts: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -45,12 +45,19 @@ def kmeans(
     start = torch.randperm(x.shape[0], generator=generator, device=x.device)[:n_clusters]
     centroids = x[start].clone()
     for _ in range(iterations):
-        labels = nearest(x, centroids, metric)
-        counts = torch.bincount(labels, minlength=n_clusters).unsqueeze(-1)
-        sums = torch.zeros_like(centroids).index_add_(0, labels, x)
         spare = x[torch.randint(x.shape[0], (n_clusters,), generator=generator, device=x.device)]
-        centroids = torch.where(counts > 0, sums / counts.clamp_min(1), spare)
+        centroids = cluster_means(x, nearest(x, centroids, metric), spare)
     return centroids
+
+
+def cluster_means(
+    points: torch.Tensor, labels: torch.Tensor, fallback: torch.Tensor
+) -> torch.Tensor:
+    """The mean of the points of each label `(C, D)` (a Lloyd step's update), `fallback[c]` for
+    a label no point has."""
+    counts = torch.bincount(labels, minlength=fallback.shape[0]).unsqueeze(-1)
+    sums = torch.zeros_like(fallback).index_add_(0, labels, points)
+    return torch.where(counts > 0, sums / counts.clamp_min(1).to(points.dtype), fallback)
 
 
 @torch.no_grad()

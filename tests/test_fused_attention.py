@@ -5,7 +5,7 @@ every tile with `score`, in value and in gradient."""
 import pytest
 import torch
 
-from rewa.attention import cuda_kernel, dense_attention, merge_attention
+from rewa.attention import cuda_kernel, dense_attention, merge_attention, merge_stacked
 from rewa.attention.numerics import NearScreens, apply_stages_
 from tests.support import FUSED, TOLERANCES, build_geometry
 
@@ -231,9 +231,11 @@ def test_kernel_splits_keys_only_where_query_blocks_leave_the_gpu_idle():
     assert cuda_kernel.key_splits(1, 4, 0, 132) == 1
 
 
-def test_kernel_key_ranges_merge_as_attention_over_their_union():
-    """`_merged_splits` of per-range `(out, lse)` is the attention over every key, rows that no
-    range saw included (0, -inf)."""
+@pytest.mark.parametrize("dim", [0, 1])
+def test_stacked_parts_merge_as_attention_over_their_union(dim):
+    """`merge_stacked` of per-range `(out, lse)` stacked on `dim` (the kernel's key ranges on 0,
+    the IVF lists of a query on 1) is `merge_attention` of the parts, rows that no range saw
+    included (0, -inf)."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 5, 12, generator=generator, dtype=torch.float64)
     logits[:, 0] = float("-inf")
@@ -245,8 +247,8 @@ def test_kernel_key_ranges_merge_as_attention_over_their_union():
         lse = part_logits.logsumexp(-1)
         out = torch.softmax(part_logits, -1).nan_to_num(0.0) @ values[:, keys]
         parts.append((out, lse))
-    out, lse = cuda_kernel._merged_splits(
-        torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    out, lse = merge_stacked(
+        torch.stack([p[0] for p in parts], dim), torch.stack([p[1] for p in parts], dim), dim
     )
     expected_out, expected_lse = merge_attention(*parts)
     torch.testing.assert_close(out, expected_out)

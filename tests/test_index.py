@@ -483,9 +483,7 @@ def test_padded_list_blocks_attend_as_the_running_softmax(
     with torch.no_grad():
         qw = g.witness(x)
         running = ivf_blocks.ivf_block_attention(index, qw, v, positions=positions)
-        lists = index.parts[0].lists()
-        tolerance = 0.0 if causal else index.settings.probe_mass
-        probes = ivf_blocks.probes_by_mass(index, qw, index.settings.nprobe, tolerance)
+        lists, probes = ivf_blocks._probes(index, qw, causal)
         assert (probes < 0).any() or causal  # some queries read fewer lists
         padded = ivf_blocks._padded_list_attention(g, qw, index.keys, v, lists, probes, positions)
     torch.testing.assert_close(padded[0], running[0], rtol=1e-12, atol=1e-12)

@@ -86,15 +86,22 @@ def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric, m
     monkeypatch.setattr(kmeans, "on_device", lambda vectors, device: True)
     lift = LiftIndex(metric, IndexSettings(kind="ivf", nlist=16, nprobe=16))
     lift.add(points)
-    ivf = faiss.extract_index_ivf(lift.index)
-    centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist))
-    labels = kmeans.nearest(
-        lift._augmented(points), centroids, "l2" if lift.augmented or metric == "l2" else "ip"
-    )
     on_device = lift.lists()
-    assert [ids.tolist() for ids in on_device] == [
-        torch.nonzero(labels == c).squeeze(-1).tolist() for c in range(16)
-    ]
+    assert sorted(torch.cat(on_device).tolist()) == list(range(len(points)))
+    # Each key lies in the list of a nearest centroid (float64 distances; centroids that tie
+    # within float32 rounding may take either), by FAISS's metric for this lift.
+    ivf = faiss.extract_index_ivf(lift.index)
+    centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist)).double()
+    keys = torch.from_numpy(lift._keys(points)).double()
+    if lift.augmented or metric == "l2":
+        cost = torch.cdist(keys, centroids).square()
+    else:
+        cost = -(keys @ centroids.T)
+    label = torch.empty(len(points), dtype=torch.long)
+    for c, ids in enumerate(on_device):
+        label[ids] = c
+    chosen = cost.gather(1, label.unsqueeze(-1)).squeeze(-1)
+    assert (chosen <= cost.min(-1).values + 1e-5 * cost.abs().max()).all()
     lift._lists = None  # read back from FAISS's inverted lists
     assert [ids.tolist() for ids in lift.lists()] == [ids.tolist() for ids in on_device]
     assert lift.ntotal == len(points)
@@ -130,20 +137,29 @@ def test_retrieval_over_an_index_trained_in_pytorch_matches_faiss_training(monke
 
 def test_tail_clusters_trained_in_pytorch_estimate_as_well(monkeypatch):
     """KeyClusters built with PyTorch's k-means and assignment (forced here on the CPU) give
-    tail attention as accurate as with FAISS's."""
-    from benchmarks.data import clustered
+    tail attention as accurate as with FAISS's, on overlapping clusters where the estimate
+    carries a visible error."""
+    from benchmarks.data import overlapping
     from rewa.attention import dense_attention
     from rewa.index import KeyClusters, clusters, output_error, tail_attention
 
-    data = clustered(16384)
+    data = overlapping(16384)
     g = data.geometry()
     queries = data.q[:256]
+    calls = []
+    in_pytorch = clusters.torch_kmeans
+    monkeypatch.setattr(
+        clusters, "torch_kmeans", lambda *a, **o: calls.append(1) or in_pytorch(*a, **o)
+    )
     with torch.no_grad():
         exact = dense_attention(queries, data.k, data.v, g)[0]
         errors = []
         for forced in (False, True):
             monkeypatch.setattr(clusters, "on_device", lambda points, device, forced=forced: forced)
             built = KeyClusters.build(g.witness(data.k), data.v, g)
-            out = tail_attention(g.witness(queries), built, budget=0.05)[0]
-            errors.append(output_error(out, exact).median().item())
-    assert errors[1] <= 1.5 * errors[0] + 1e-3
+            out = tail_attention(g.witness(queries), built, budget=0.02)[0]
+            errors.append(output_error(out, exact))
+    assert len(calls) == 1  # PyTorch's k-means ran for the second build only
+    assert errors[0].median() > 1e-3  # an error to compare
+    assert errors[1].median() <= 1.3 * errors[0].median()
+    assert errors[1].quantile(0.99) <= 1.3 * errors[0].quantile(0.99)
