@@ -579,12 +579,27 @@ def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tenso
     that FAISS cannot use) and its Euclidean distance to it `(n,)` in the points' dtype."""
     if on_device(points, faiss_device()):
         labels = nearest_centroids(points, centroids)
-        return labels, (points - centroids[labels]).norm(dim=-1)
+        return labels, _distances(points, centroids, labels)
     search = faiss.IndexFlatL2(centroids.shape[-1])
     search.add(np.ascontiguousarray(centroids.detach().to("cpu", torch.float32).numpy()))
     _, found = search.search(np.ascontiguousarray(points.detach().to("cpu", torch.float32)), 1)
     labels = torch.from_numpy(found[:, 0]).long().to(points.device)
-    return labels, (points - centroids[labels]).norm(dim=-1)
+    return labels, _distances(points, centroids, labels)
+
+
+# Points per block of `_distances` (temporaries of tens of megabytes, not of every point).
+DISTANCE_ROWS = 65536
+
+
+def _distances(points: torch.Tensor, centroids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each point's Euclidean distance `(n,)` to the centroid its label names, in the points'
+    dtype, in blocks of `DISTANCE_ROWS` points: one block of a million points was slower
+    (docs/benchmark-notes.md, "Measurements behind code choices")."""
+    return torch.cat([
+        (points[start : start + DISTANCE_ROWS] - centroids[labels[start : start + DISTANCE_ROWS]])
+        .norm(dim=-1)
+        for start in range(0, max(len(points), 1), DISTANCE_ROWS)
+    ])  # fmt: skip
 
 
 def _cluster_statistics(

@@ -132,6 +132,7 @@ class LiftIndex:
         self.device = faiss_device(device)
         self.index: faiss.Index | None = None
         self._lists: dict[torch.device, list[torch.Tensor]] | None = None
+        self._layouts: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.radius: float | None = None  # M of the inner-product-to-L2 augmentation, if used
 
     @property
@@ -212,7 +213,7 @@ class LiftIndex:
             index.train(x[: len(prefix)])
         index.add(x)
         self.index = index
-        self._lists = None
+        self._lists, self._layouts = None, {}
 
     def _add_trained_on_device(self, vectors: torch.Tensor, n_trained: int) -> None:
         """`add` for IVF with the k-means and the assignment of every key computed in PyTorch
@@ -232,7 +233,7 @@ class LiftIndex:
         self.index = index
         order = labels.argsort(stable=True)  # ids ascending within each list, as FAISS adds them
         sizes = torch.bincount(labels, minlength=index.nlist).tolist()
-        self._lists = {vectors.device: list(order.split(sizes))}
+        self._lists, self._layouts = {vectors.device: list(order.split(sizes))}, {}
 
     def extend(self, vectors: torch.Tensor) -> None:
         """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF)
@@ -243,7 +244,7 @@ class LiftIndex:
         if vectors.shape[0] == 0:
             return
         self.index.add(self._keys(vectors))
-        self._lists = None
+        self._lists, self._layouts = None, {}
 
     def lists(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The ids in each IVF list on `device` (computed once per device from the coarse
@@ -269,6 +270,17 @@ class LiftIndex:
         if device not in self._lists:
             self._lists[device] = [ids.to(device) for ids in self._lists[cpu]]
         return self._lists[device]
+
+    def list_layout(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """`(ids, sizes)` on `device`: the ids of every IVF list end to end `(n,)`, list after
+        list (`lists`), and the lists' sizes `(nlist,)`; made once per device, so that a call
+        that reads the lists as one table does not rebuild it."""
+        device = torch.device(device)
+        if device not in self._layouts:
+            lists = self.lists(device)
+            sizes = torch.tensor([len(ids) for ids in lists], device=device)
+            self._layouts[device] = (torch.cat(lists), sizes)
+        return self._layouts[device]
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`(D, I)` of shape `(nq, k)` on the queries' device: L2 distances ascending or inner

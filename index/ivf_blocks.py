@@ -95,17 +95,16 @@ def list_moments(index: GeometryIndex) -> ListMoments:
     cached = _moments.get(part)
     if cached is not None and cached[0] == part.ntotal:
         return cached[1]
-    lists = part.lists(index.keys.device)
+    ids, counts = part.list_layout(index.keys.device)
+    n_lists = len(counts)
     (lift,) = index.geometry.lift(index.keys.detach(), "key")
-    features = key_features([lift])
-    counts = torch.tensor([len(ids) for ids in lists], device=features.device)
-    label = torch.repeat_interleave(torch.arange(len(lists), device=features.device), counts)
-    features = features[torch.cat(lists)]
+    features = key_features([lift])[ids]
+    label = torch.repeat_interleave(torch.arange(n_lists, device=features.device), counts)
     size = counts.clamp_min(1).to(features.dtype).unsqueeze(-1)
-    mean = features.new_zeros(len(lists), features.shape[-1]).index_add_(0, label, features) / size
+    mean = features.new_zeros(n_lists, features.shape[-1]).index_add_(0, label, features) / size
     centred = features - mean[label]
     variance = torch.zeros_like(mean).index_add_(0, label, centred.square()) / size
-    radius = mean.new_zeros(len(lists)).scatter_reduce_(
+    radius = mean.new_zeros(n_lists).scatter_reduce_(
         0, label, centred.norm(dim=-1), "amax", include_self=False
     )
     moments = ListMoments(counts.to(features.dtype), mean, variance, radius)
@@ -221,8 +220,11 @@ def ivf_block_attention(
     keys_w = index.keys if keys_w is None else keys_w
     needs_grad = _needs_grad(queries_w, keys_w, values, *geometry.parameters())
     if queries_w.device.type != "cpu" and not needs_grad:
-        lists, probes = _probes(index, queries_w, positions is not None)
-        return _padded_list_attention(geometry, queries_w, keys_w, values, lists, probes, positions)
+        _, probes = _probes(index, queries_w, positions is not None)
+        layout = index.parts[0].list_layout(queries_w.device)
+        return _padded_list_attention(
+            geometry, queries_w, keys_w, values, layout, probes, positions
+        )
     lists, probes, pair_order, bounds = _probe_pairs(index, queries_w, positions is not None)
     n_queries, nprobe = probes.shape
     if not needs_grad:
@@ -315,7 +317,7 @@ def _padded_list_attention(
     queries_w: torch.Tensor,
     keys_w: torch.Tensor,
     values: torch.Tensor,
-    lists: list[torch.Tensor],
+    layout: tuple[torch.Tensor, torch.Tensor],
     probes: torch.Tensor,
     positions: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -331,9 +333,9 @@ def _padded_list_attention(
     exact attention over them."""
     device = queries_w.device
     n_queries, nprobe = probes.shape
-    sizes = torch.tensor([len(ids) for ids in lists], device=device)
+    list_ids, sizes = layout
+    n_lists = len(sizes)
     list_starts = sizes.cumsum(0) - sizes
-    list_ids = torch.cat(lists)
     # The pairs of each list, and each pair's block: the lists' pairs in blocks of
     # PAIRS_PER_BLOCK, the blocks of shorter lists first.
     pair_list = probes.flatten()
@@ -342,11 +344,11 @@ def _padded_list_attention(
     pair_list = pair_list[pairs]
     by_size = torch.sort(sizes, stable=True).indices
     rank_of_list = torch.empty_like(by_size).scatter_(
-        0, by_size, torch.arange(len(lists), device=device)
+        0, by_size, torch.arange(n_lists, device=device)
     )
     order = torch.sort(rank_of_list[pair_list], stable=True).indices
     pairs, pair_list = pairs[order], pair_list[order]
-    pairs_per_list = torch.bincount(pair_list, minlength=len(lists))
+    pairs_per_list = torch.bincount(pair_list, minlength=n_lists)
     blocks_per_list = (pairs_per_list + PAIRS_PER_BLOCK - 1) // PAIRS_PER_BLOCK
     first_pair, first_block = (
         _starts_in_order(counts, by_size) for counts in (pairs_per_list, blocks_per_list)

@@ -385,6 +385,24 @@ def test_list_moments_are_each_lists_feature_moments_and_follow_an_extend():
         index.extend(g.witness(x))  # the same parts, with 1000 more keys
 
 
+def test_the_list_layout_is_the_lists_end_to_end_made_once_per_set_of_keys():
+    """`LiftIndex.list_layout`: every list's ids end to end and the lists' sizes, the same
+    tensors on a second call, made anew after an extend (which moves keys into the lists)."""
+    g = build_geometry("dot", 8)
+    x = torch.randn(6000, 8)
+    index = build_index(x[:5000], g, "ivf", nlist=20)  # both sizes train on the first 4096
+    part = index.parts[0]
+    ids, sizes = part.list_layout()
+    lists = part.lists()
+    assert torch.equal(ids, torch.cat(lists))
+    assert sizes.tolist() == [len(listed) for listed in lists] and int(sizes.sum()) == 5000
+    assert part.list_layout()[0] is ids
+    index.extend(g.witness(x))
+    assert index.parts[0] is part
+    ids, sizes = part.list_layout()
+    assert torch.equal(ids.sort().values, torch.arange(6000)) and int(sizes.sum()) == 6000
+
+
 def test_the_shortlist_is_the_lists_of_largest_mean_product_by_faiss_and_by_torch():
     """FAISS's search (the CPU path) and torch's top k (other devices) shortlist the same
     non-empty lists with the same products, the exact ones of the lists' mean features."""
@@ -483,9 +501,10 @@ def test_padded_list_blocks_attend_as_the_running_softmax(
     with torch.no_grad():
         qw = g.witness(x)
         running = ivf_blocks.ivf_block_attention(index, qw, v, positions=positions)
-        lists, probes = ivf_blocks._probes(index, qw, causal)
+        _, probes = ivf_blocks._probes(index, qw, causal)
         assert (probes < 0).any() or causal  # some queries read fewer lists
-        padded = ivf_blocks._padded_list_attention(g, qw, index.keys, v, lists, probes, positions)
+        layout = index.parts[0].list_layout()
+        padded = ivf_blocks._padded_list_attention(g, qw, index.keys, v, layout, probes, positions)
     torch.testing.assert_close(padded[0], running[0], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(padded[1], running[1], rtol=1e-12, atol=1e-12)
 
