@@ -224,35 +224,16 @@ def tail_section(records: list[dict]) -> str:
         "tail at 1 % >= 10x",
         "faster than dense attention in the same run. Per layer: the range over its 12 heads.",
         "",
-        "| layer | support (keys) | budget | tail median | tail p99 | heads on target "
-        "| tail <= topk (median, p99) | tail ms | x dense |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *_text_table(records, "text"),
     ]
-    text = [r for r in records if r["dataset"] == "text" and r["geometry"] == "dot"]
-    dense = {(r["layer"], r["head"]): r for r in text if r["mode"] == "dense"}
-    at = {(r["layer"], r["head"], r["mode"], r.get("budget")): r for r in text}
-    for layer in sorted({r["layer"] for r in text}):
-        heads = sorted(h for lay, h in dense if lay == layer)
-        supports = [dense[layer, h]["support"] for h in heads]
-        for budget in sorted({r["budget"] for r in text if r["mode"] == "tail"}):
-            tail = [at[layer, h, "tail", budget] for h in heads]
-            topk = [at[layer, h, "topk", budget] for h in heads]
-            on_target = sum(r["err_median"] <= 0.05 and r["err_p99"] <= 0.15 for r in tail)
-            no_worse = sum(
-                t["err_median"] <= k["err_median"] and t["err_p99"] <= k["err_p99"]
-                for t, k in zip(tail, topk, strict=True)
-            )
-            speed = [
-                dense[layer, h]["seconds"] / t["seconds"] for h, t in zip(heads, tail, strict=True)
-            ]
-            lines.append(
-                f"| {layer} | {min(supports):,.0f}-{max(supports):,.0f} | {budget:.1%} | "
-                f"{_span([r['err_median'] for r in tail])} | "
-                f"{_span([r['err_p99'] for r in tail])} | "
-                f"{on_target} / {len(heads)} | {no_worse} / {len(heads)} | "
-                f"{_span([1000 * r['seconds'] for r in tail], '.1f')} | {_span(speed, '.1f')} |"
-            )
-    others = [r for r in records if not (r["dataset"] == "text" and r["geometry"] == "dot")]
+    if any(r["dataset"] == "text-numpy" for r in records):
+        lines += [
+            "",
+            "The same over numpy's sources (`text-numpy`), text that no default was chosen on:",
+            "",
+            *_text_table(records, "text-numpy"),
+        ]
+    others = [r for r in records if not (r["dataset"] in TEXT_SETS and r["geometry"] == "dot")]
     if others:
         lines += [
             "",
@@ -276,6 +257,43 @@ def tail_section(records: list[dict]) -> str:
                     f"{_span([r['err_median'] for r in topk])} | {_span(speed, '.1f')} |"
                 )
     return "\n".join(lines) + "\n"
+
+
+TEXT_SETS = ("text", "text-numpy")  # tail.py's MiniLM data sets, a table per layer each
+
+
+def _text_table(records: list[dict], dataset: str) -> list[str]:
+    """The per-layer table of a MiniLM data set, dot product: each layer's heads at each budget."""
+    lines = [
+        "| layer | support (keys) | budget | tail median | tail p99 | heads on target "
+        "| tail <= topk (median, p99) | tail ms | x dense |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    text = [r for r in records if r["dataset"] == dataset and r["geometry"] == "dot"]
+    dense = {(r["layer"], r["head"]): r for r in text if r["mode"] == "dense"}
+    at = {(r["layer"], r["head"], r["mode"], r.get("budget")): r for r in text}
+    for layer in sorted({r["layer"] for r in text}):
+        heads = sorted(h for lay, h in dense if lay == layer)
+        supports = [dense[layer, h]["support"] for h in heads]
+        for budget in sorted({r["budget"] for r in text if r["mode"] == "tail"}):
+            tail = [at[layer, h, "tail", budget] for h in heads]
+            topk = [at[layer, h, "topk", budget] for h in heads]
+            on_target = sum(r["err_median"] <= 0.05 and r["err_p99"] <= 0.15 for r in tail)
+            no_worse = sum(
+                t["err_median"] <= k["err_median"] and t["err_p99"] <= k["err_p99"]
+                for t, k in zip(tail, topk, strict=True)
+            )
+            speed = [
+                dense[layer, h]["seconds"] / t["seconds"] for h, t in zip(heads, tail, strict=True)
+            ]
+            lines.append(
+                f"| {layer} | {min(supports):,.0f}-{max(supports):,.0f} | {budget:.1%} | "
+                f"{_span([r['err_median'] for r in tail])} | "
+                f"{_span([r['err_p99'] for r in tail])} | "
+                f"{on_target} / {len(heads)} | {no_worse} / {len(heads)} | "
+                f"{_span([1000 * r['seconds'] for r in tail], '.1f')} | {_span(speed, '.1f')} |"
+            )
+    return lines
 
 
 def _span(values: list[float], spec: str = ".3f") -> str:

