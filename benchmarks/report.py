@@ -259,7 +259,9 @@ def tail_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-TEXT_SETS = ("text", "text-numpy")  # tail.py's MiniLM data sets, a table per layer each
+# tail.py's MiniLM data sets (the keys of its TEXT_CORPORA; this script imports no benchmark), a
+# table per layer each.
+TEXT_SETS = ("text", "text-numpy")
 
 
 def _text_table(records: list[dict], dataset: str) -> list[str]:

@@ -163,3 +163,18 @@ def test_tail_clusters_trained_in_pytorch_estimate_as_well(monkeypatch):
     assert errors[0].median() > 1e-3  # an error to compare
     assert errors[1].median() <= 1.3 * errors[0].median()
     assert errors[1].quantile(0.99) <= 1.3 * errors[0].quantile(0.99)
+
+
+@pytest.mark.parametrize("n", [0, 1, 100])
+def test_distances_to_centres_in_blocks_equal_one_block(n, monkeypatch):
+    """`clusters._distances` in blocks of `DISTANCE_ROWS` points gives each point's distance to
+    its labelled centre exactly as one block of every point does (float32 and float64)."""
+    from rewa.index import clusters
+
+    monkeypatch.setattr(clusters, "DISTANCE_ROWS", 7)
+    for dtype in (torch.float32, torch.float64):
+        points, centres = torch.randn(n, 5, dtype=dtype), torch.randn(9, 5, dtype=dtype)
+        labels = torch.randint(9, (n,))
+        blocked = clusters._distances(points, centres, labels)
+        assert blocked.shape == (n,) and blocked.dtype == dtype
+        assert torch.equal(blocked, (points - centres[labels]).norm(dim=-1))
