@@ -232,8 +232,9 @@ class LiftIndex:
         add_preassigned(index, _as_faiss(x), labels.cpu().numpy())
         self.index = index
         order = labels.argsort(stable=True)  # ids ascending within each list, as FAISS adds them
-        sizes = torch.bincount(labels, minlength=index.nlist).tolist()
-        self._lists, self._layouts = {vectors.device: list(order.split(sizes))}, {}
+        sizes = torch.bincount(labels, minlength=index.nlist)
+        self._lists = {vectors.device: list(order.split(sizes.tolist()))}
+        self._layouts = {vectors.device: (order, sizes)}  # `list_layout`, already at hand
 
     def extend(self, vectors: torch.Tensor) -> None:
         """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF)

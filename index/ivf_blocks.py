@@ -384,14 +384,7 @@ def _padded_list_attention(
         masked = ~in_list.unsqueeze(1)
         if positions is not None:
             masked = masked | (ids.unsqueeze(1) > positions[queries].unsqueeze(-1))
-        logits = logits.masked_fill_(masked, float("-inf"))
-        top = logits.amax(-1, keepdim=True)
-        reference = torch.where(torch.isfinite(top), top, 0.0)
-        weights = logits.sub_(reference).exp_()
-        total = weights.sum(-1)
-        out = torch.bmm(weights.to(values.dtype), values[ids])
-        out = out / torch.where(total > 0, total, 1).unsqueeze(-1).to(out.dtype)
-        lse = torch.where(total > 0, reference.squeeze(-1) + total.log(), float("-inf"))
+        out, lse = softmax_attend(logits.masked_fill_(masked, float("-inf")), values[ids])
         valid = chunk_pairs >= 0
         outs[chunk_pairs[valid]] = out[valid]
         lses[chunk_pairs[valid]] = lse[valid]

@@ -88,6 +88,9 @@ def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric, m
     lift.add(points)
     on_device = lift.lists()
     assert sorted(torch.cat(on_device).tolist()) == list(range(len(points)))
+    ids, sizes = lift.list_layout()  # made with the lists, not from them
+    assert torch.equal(ids, torch.cat(on_device))
+    assert sizes.tolist() == [len(listed) for listed in on_device]
     # Each key lies in the list of a nearest centroid (float64 distances; centroids that tie
     # within float32 rounding may take either), by FAISS's metric for this lift.
     ivf = faiss.extract_index_ivf(lift.index)
