@@ -176,6 +176,7 @@ def _sdpa_applies(
         and v.shape[-1] == q.shape[-1]
         and q.dtype == k.dtype == v.dtype
         and q.dtype in dtypes
+        and q.shape[-2] > 0
         and k.shape[-2] > 0
         and (not causal or q.shape[-2] == k.shape[-2])
     )
@@ -186,7 +187,7 @@ def _fused_dot_product(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused kernel on inputs flattened to its `(B, 1, N, d)` layout."""
     batch = q.shape[:-2]
-    flat = [t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v)]
+    flat = [t.reshape(math.prod(batch), 1, *t.shape[-2:]) for t in (q, k, v)]
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             *flat, None, True, is_causal=causal, scale=scale

@@ -10,6 +10,8 @@ there too. (`budget`, everywhere in rewa, is the fraction of keys a tail query r
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -57,12 +59,14 @@ def sparse_attention(
     flat_keys = kw.reshape(-1, *kw.shape[-2:])
     flat_values = v.to(dtype).reshape(-1, *v.shape[-2:])
     rows = _unique_per_row(candidates)
-    n_queries, width = rows.shape[-2], max(rows.shape[-1], 1)
+    if rows.shape[-1] == 0:  # no query has a candidate (a context of a key or two, say)
+        rows = rows.new_full((*rows.shape[:-1], 1), -1)
+    n_queries, width = rows.shape[-2], rows.shape[-1]
     per_query = width * max(kw.shape[-1], v.shape[-1]) * flat_keys.shape[0]
     chunk = max(1, chunk_elements // per_query)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qw, kw, flat_values))
     outs, lses = [], []
-    for start in range(0, n_queries, chunk):
+    for start in range(0, max(n_queries, 1), chunk):  # one empty chunk for no queries
         part = slice(start, min(start + chunk, n_queries))
         args = (qw[..., part, :], flat_keys, flat_values, rows[..., part, :], geometry, top_k)
         if needs_grad:
@@ -119,15 +123,18 @@ def _attend_chunk(
     """qw `(*batch, c, w)`, rows `(*batch, c, C)`; keys `(B, nk, w)` and values `(B, nk, dv)`
     with the batch flattened to B for gathering."""
     batch_shape = rows.shape[:-2]
-    flat_rows = rows.reshape(-1, *rows.shape[-2:])
+    # Sizes spelled out, not -1: a chunk of no queries has no elements to infer them from.
+    flat_rows = rows.reshape(math.prod(batch_shape), *rows.shape[-2:])
     valid = flat_rows >= 0
     index = flat_rows.clamp_min(0)
-    gathered = _gather_rows(flat_keys, index).reshape(*batch_shape, *index.shape[-2:], -1)
+    gathered = _gather_rows(flat_keys, index).reshape(
+        *batch_shape, *index.shape[-2:], flat_keys.shape[-1]
+    )
     logits = geometry.score_at(qw, gathered).reshape(index.shape)
     logits = logits.masked_fill(~valid, float("-inf"))
     best, position = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
     out, lse = attend_scored(best, index.gather(-1, position), flat_values)
-    return out.reshape(*batch_shape, *out.shape[-2:]), lse.reshape(*batch_shape, -1)
+    return out.reshape(*batch_shape, *out.shape[-2:]), lse.reshape(*batch_shape, lse.shape[-1])
 
 
 def attend_scored(
@@ -142,7 +149,7 @@ def attend_scored(
     block = max(1, CHUNK_ELEMENTS // max(1, ids.shape[-1] * values.shape[-1]))
     outs, lses = [], []
     retain_freed_memory()
-    for start in range(0, ids.shape[-2], block):
+    for start in range(0, max(ids.shape[-2], 1), block):  # one empty block for no rows
         rows = slice(start, start + block)
         chosen = _gather_rows(values, ids[:, rows].clamp_min(0))
         out, lse = softmax_attend(logits[:, rows].unsqueeze(-2), chosen)

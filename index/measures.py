@@ -16,7 +16,7 @@ def _logit_chunks(q: torch.Tensor, k: torch.Tensor, geometry: Geometry, chunk: i
     """Exact dense logits of `chunk` queries at a time against all keys (2-D inputs)."""
     with torch.no_grad():
         kw = geometry.witness(k)
-        for s in range(0, q.shape[0], chunk):
+        for s in range(0, max(q.shape[0], 1), chunk):  # one empty chunk for no queries
             yield geometry.score(geometry.witness(q[s : s + chunk]), kw)
 
 

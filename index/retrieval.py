@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rewa.attention import Geometry, sparse_attention
+from rewa.attention import Geometry, dense_attention, sparse_attention
 from rewa.attention.sparse import attend_scored
 
 from .bands import BandedIndex
@@ -151,12 +151,18 @@ def retrieval_attention(
     those keys (`causal_tail_attention`; a `KeyClusters` passed in is not used then).
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
+    With no queries or no keys there is nothing to read: dense attention's answer (empty, or
+    0 and `lse = -inf` per query), no index built.
     """
     if q.dim() != 2 or k.dim() != 2:
         raise ValueError(
             f"retrieval_attention takes one head: q (nq, d) and k (nk, d), got {tuple(q.shape)} "
             f"and {tuple(k.shape)}"
         )
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        # Nothing to read: dense attention checks the inputs and answers without an index, on
+        # the autograd graph (no queries: `(0, dv)` and `(0,)`; no keys: 0 and -inf per query).
+        return dense_attention(q, k, v, geometry)
     if index == "clusters" or isinstance(index, KeyClusters):
         return _cluster_attention(
             q,

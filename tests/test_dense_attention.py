@@ -257,3 +257,17 @@ def test_gradients_reach_inputs_that_broadcast():
     expected = gradients(lambda q, k, v: naive(q.expand(2, 3, 11, 8), k.expand(2, 3, 13, 8), v, g))
     for value, reference_value in zip(got, expected, strict=True):
         torch.testing.assert_close(value, reference_value, **F64)
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_queries_give_empty_answers_on_the_autograd_graph(name, causal):
+    """The dot product's fused kernel takes no empty query set: such a call takes the tiles
+    (values as wide as the keys, the shapes the fused kernel would take)."""
+    g = build_geometry(name, 8, heads=3)
+    q = torch.randn(2, 3, 0, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, 5, 8, dtype=torch.float64) for _ in range(2))
+    out, lse = dense_attention(q, k, v, g, causal=causal)
+    assert out.shape == (2, 3, 0, 8) and lse.shape == (2, 3, 0)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape

@@ -653,3 +653,43 @@ def test_best_candidates_in_query_blocks_equals_one_block(name, monkeypatch):
     torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=0)
     assert torch.equal(blocked[1], whole[1])
     assert bool((whole[1][5] == -1).all()) and whole[1][6].tolist() == [7] + [-1] * 9
+
+
+@pytest.mark.parametrize("method", ["ivf", "flat", "hnsw", "lsh", "clusters"])
+@pytest.mark.parametrize("name", ["dot", "sphere", "product"])
+def test_retrieval_with_no_queries_or_no_keys_answers_as_dense_attention(method, name):
+    """No queries: `(0, dv)` and `(0,)` on the autograd graph; no keys: 0 and `-inf` for every
+    query; no index is built for either."""
+    g = make_geometry(name, 8)
+    tail = method == "clusters"
+    k, v = torch.randn(40, 8), torch.randn(40, 5)
+    q = torch.randn(0, 8, requires_grad=True)
+    out, lse = retrieval_attention(q, k, v, g, index=method, tail=tail)
+    assert out.shape == (0, 5) and lse.shape == (0,)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad.shape == (0, 8)
+    with torch.no_grad():
+        out, lse = retrieval_attention(torch.randn(3, 8), k[:0], v[:0], g, index=method, tail=tail)
+    assert torch.equal(out, torch.zeros(3, 5)) and torch.isneginf(lse).all()
+    assert exact_topk(q.detach(), k, g, 4).shape == (0, 4)
+
+
+@pytest.mark.parametrize("method", ["ivf", "flat", "hnsw", "lsh", "clusters"])
+@pytest.mark.parametrize("n_keys", [1, 2, 3])
+def test_retrieval_over_a_context_of_a_few_keys(method, n_keys):
+    """A context of one to three keys: every index answers (composite LSH found no candidate
+    for a one-key context and failed on the empty candidate rows); the clusters, reading every
+    key, answer dense attention's."""
+    g = make_geometry("dot", 8)
+    k, v, q = torch.randn(n_keys, 8), torch.randn(n_keys, 5), torch.randn(4, 8)
+    tail = method == "clusters"
+    with torch.no_grad():
+        out, lse = retrieval_attention(q, k, v, g, index=method, tail=tail, budget=1.0)
+        expected_out, expected_lse = dense_attention(q, k, v, g)
+    assert out.shape == (4, 5) and lse.shape == (4,)
+    assert torch.isfinite(out).all()
+    # A candidate set's log-partition is at most every key's.
+    assert (lse <= expected_lse + 1e-5).all()
+    if method == "clusters":
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)

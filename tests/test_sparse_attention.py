@@ -106,3 +106,20 @@ def test_attend_scored_in_row_blocks_equals_one_block(monkeypatch):
     torch.testing.assert_close(blocked[0], whole[0], rtol=0, atol=0)
     torch.testing.assert_close(blocked[1], whole[1], rtol=0, atol=0)
     assert float(whole[1][1, 7]) == float("-inf") and bool((whole[0][1, 7] == 0).all())
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare"])
+def test_no_queries_and_no_candidates_answer_without_error(name):
+    """No queries: empty `(.., 0, dv)` and `(.., 0)`, on the autograd graph; candidate rows of
+    width 0 (a context whose index found nothing): every query gets `(0, -inf)`."""
+    g = build_geometry(name, 6, heads=2)
+    k, v = torch.randn(2, 9, 6, dtype=torch.float64), torch.randn(2, 9, 4, dtype=torch.float64)
+    q = torch.randn(2, 0, 6, dtype=torch.float64, requires_grad=True)
+    out, lse = sparse_attention(q, k, v, g, torch.zeros(2, 0, 3, dtype=torch.long), top_k=3)
+    assert out.shape == (2, 0, 4) and lse.shape == (2, 0)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape
+    q = torch.randn(2, 5, 6, dtype=torch.float64)
+    out, lse = sparse_attention(q, k, v, g, torch.zeros(2, 5, 0, dtype=torch.long), top_k=3)
+    assert out.shape == (2, 5, 4) and torch.equal(out, torch.zeros_like(out))
+    assert torch.isneginf(lse).all()

@@ -305,3 +305,16 @@ def test_heads_reading_every_cluster_are_dense_attention(name):
         expected_out, expected_lse = dense_attention(queries, keys, values, geometry)
     torch.testing.assert_close(out, expected_out, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("tail", [True, False])
+def test_no_queries_give_empty_answers_per_head(tail):
+    g = make_geometry("dot", 8)
+    heads = ClusterHeads.stacked([
+        KeyClusters.build(g.witness(torch.randn(300, 8)), torch.randn(300, 5), g) for _ in range(2)
+    ])  # fmt: skip
+    q = torch.randn(2, 0, 8, requires_grad=True)
+    out, lse, reads = tail_attention_heads_with_reads(q, heads, tail=tail)
+    assert out.shape == (2, 0, 5) and lse.shape == (2, 0) and reads.shape == (2, 0)
+    (out.sum() + lse.sum()).backward()
+    assert q.grad.shape == q.shape

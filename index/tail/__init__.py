@@ -160,6 +160,11 @@ def tail_attention_heads_with_reads(
         retain_freed_memory()
     qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
     n_heads, n_keys = heads.n_heads, heads.heads[0].n_keys
+    if qw.shape[1] == 0:
+        # No query reads a key: `(H, 0, dv)` and `(H, 0)`, still on the queries' autograd graph.
+        empty = qw[..., :1].expand(-1, -1, heads.heads[0].values.shape[-1])
+        reads = torch.zeros(n_heads, 0, dtype=torch.long, device=qw.device)
+        return TailAttention(geometry.output_map(empty), qw[..., 0], reads)
     if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
         return TailAttention(*decode_step(qw, heads, budget * n_keys))
     is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
