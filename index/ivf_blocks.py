@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rewa.attention import Geometry, merge_attention, merge_stacked
+from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import softmax_attend
 
 from .block_scoring import block_scorer
@@ -97,7 +98,8 @@ def list_moments(index: GeometryIndex) -> ListMoments:
         return cached[1]
     ids, counts = part.list_layout(index.keys.device)
     n_lists = len(counts)
-    (lift,) = index.geometry.lift(index.keys.detach(), "key")
+    keys = index.keys.detach()
+    (lift,) = index.geometry.lift(keys.to(compute_dtype(keys.dtype)), "key")  # float32 for half
     features = key_features([lift])[ids]
     label = torch.repeat_interleave(torch.arange(n_lists, device=features.device), counts)
     size = counts.clamp_min(1).to(features.dtype).unsqueeze(-1)

@@ -28,6 +28,7 @@ from rewa.attention import (
     ProductGeometry,
     Sphere,
 )
+from rewa.attention.numerics import compute_dtype
 
 from .candidates import best_candidates
 from .option_checks import check_int, check_positive
@@ -173,8 +174,9 @@ class CompositeLSH:
         `(rows, L, codes)` int64 codes stay in the cache; all of them at once took most of a
         build, docs/benchmark-notes.md, "Measurements behind code choices")."""
         buckets = torch.empty(w.shape[0], self.tables, dtype=torch.long, device=w.device)
+        dtype = compute_dtype(w.dtype)  # half-precision witnesses hashed in float32
         for start in range(0, w.shape[0], BUCKET_ROWS):
-            rows = w[start : start + BUCKET_ROWS]
+            rows = w[start : start + BUCKET_ROWS].to(dtype)
             codes = torch.cat(
                 [family.codes(view(rows, role)) for family, view in self.parts], dim=-1
             )
@@ -205,7 +207,7 @@ class CompositeLSH:
         self.keys = keys_w
         for family, view in self.parts:
             if isinstance(family, GridHash):
-                family.calibrate(view(keys_w, "key"))
+                family.calibrate(view(keys_w.to(compute_dtype(keys_w.dtype)), "key"))
         buckets = self._buckets(keys_w, "key")  # (n, L)
         generator = torch.Generator().manual_seed(1)
         shuffle = torch.randperm(keys_w.shape[0], generator=generator).to(keys_w.device)

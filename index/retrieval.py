@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from rewa.attention import Geometry, dense_attention, sparse_attention
+from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import attend_scored
 
 from .bands import BandedIndex
@@ -196,16 +197,19 @@ def retrieval_attention(
 def _ivf_list_attention(q, k, v, geometry, index, top_k, positions):
     """`retrieval_attention` through an IVF index's lists scored in dense blocks (`ivf_blocks`):
     the top K of the probed lists' keys, or (`top_k=None`) every one of them; `positions`:
-    causal. Memory is bounded per IVF list here, so every query goes through in one pass."""
-    qw = geometry.witness(q)
+    causal. Memory is bounded per IVF list here, so every query goes through in one pass.
+    Half-precision inputs are computed in float32 (`compute_dtype`) and `out` returned in their
+    dtype, as `sparse_attention` does."""
+    dtype = compute_dtype(q.dtype)
+    qw, v = geometry.witness(q.to(dtype)), v.to(dtype)
     # The indexed witnesses carry no gradient; fresh ones are needed only for autograd.
-    kw = geometry.witness(k) if torch.is_grad_enabled() else None
+    kw = geometry.witness(k.to(dtype)) if torch.is_grad_enabled() else index.keys.to(dtype)
     if top_k is None:
         out, lse = ivf_block_attention(index, qw, v, keys_w=kw, positions=positions)
-        return geometry.output_map(out), lse
-    logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=positions)
-    out, lse = attend_scored(logits.unsqueeze(0), ids.unsqueeze(0), v.unsqueeze(0))
-    return geometry.output_map(out[0]), lse[0]
+    else:
+        logits, ids = ivf_block_topk(index, qw, top_k, keys_w=kw, positions=positions)
+        out, lse = (t[0] for t in attend_scored(logits[None], ids[None], v[None]))
+    return geometry.output_map(out).to(q.dtype), lse
 
 
 def _candidate_attention(
@@ -253,16 +257,22 @@ def _cluster_attention(
     if causal:
         if positions is None:
             positions = query_positions(q.shape[0], k.shape[0], q.device)
-        return causal_tail_attention(
+        out, lse = causal_tail_attention(
             q, k, v, geometry, positions, budget=budget, tail=tail, window=window, sinks=sinks
         )
-    if isinstance(clusters, str):
-        with torch.no_grad():
-            clusters = KeyClusters.build(geometry.witness(k), v, geometry)
-    elif clusters.n_keys != k.shape[0]:
-        raise ValueError(f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given")
-    always = window_and_sinks(k.shape[0], window, sinks, k.device)
-    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)
+    else:
+        if isinstance(clusters, str):
+            with torch.no_grad():
+                clusters = KeyClusters.build(geometry.witness(k), v, geometry)
+        elif clusters.n_keys != k.shape[0]:
+            raise ValueError(
+                f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given"
+            )
+        always = window_and_sinks(k.shape[0], window, sinks, k.device)
+        out, lse = tail_attention(q, clusters, budget=budget, tail=tail, always=always)
+    # The clusters compute in their own dtype; `out` comes back in the queries', as on every
+    # other path (`sparse_attention`), `lse` in the computing one.
+    return out.to(q.dtype), lse
 
 
 def window_and_sinks(n_keys: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:

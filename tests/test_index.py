@@ -693,3 +693,23 @@ def test_retrieval_over_a_context_of_a_few_keys(method, n_keys):
     if method == "clusters":
         torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ivf", "flat", "lsh", "clusters"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_are_computed_in_float32(method, dtype):
+    """Every path answers `out` in the inputs' dtype and `lse` in float32, computed as the same
+    values in float32 are (the IVF lists' path computed bfloat16 logits: median error 0.044
+    against 0.0017, the output's own rounding, on `clustered`)."""
+    data = clustered(2048)
+    q, k, v = (t.to(dtype) for t in (data.q[:64], data.k, data.v))
+    g = make_geometry("dot", q.shape[-1])
+    tail = method == "clusters"
+    with torch.no_grad():
+        out, lse = retrieval_attention(q, k, v, g, index=method, tail=tail)
+        expected_out, expected_lse = retrieval_attention(
+            q.float(), k.float(), v.float(), g, index=method, tail=tail
+        )
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out, expected_out.to(dtype))
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
