@@ -16,7 +16,7 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, merge_attention
 
-from .clusters import KeyClusters
+from .clusters import KeyClusters, check_clusterable
 from .tail import tail_attention
 
 # Positions per segment (docs/indexes.md, "Causal tail"): a query reads up to a segment of keys
@@ -59,6 +59,8 @@ def causal_tail_attention(
         raise ValueError(f"expected a segment of at least one key, got {segment}")
     if window < 0 or sinks < 0:
         raise ValueError(f"expected window and sinks >= 0, got {window} and {sinks}")
+    # Before any segment: a context shorter than one segment would need no clusters and pass.
+    check_clusterable(geometry)
     n_keys = k.shape[0]
     if q.shape[0] == 0:
         return v.new_zeros(0, v.shape[-1]), q.new_zeros(0)

@@ -124,6 +124,16 @@ def query_features(lifts: list[Lift]) -> QueryFeatures:
     return QueryFeatures(torch.cat(blocks, -1), torch.stack(constants, -1), _lift_blocks(lifts))
 
 
+def check_clusterable(geometry: Geometry) -> None:
+    """Raise unless the geometry has an exact lift, which every estimate reads."""
+    if not geometry.exact_lift:
+        raise ValueError(
+            f"cluster attention estimates logits from lift similarities, which "
+            f"{type(geometry).__name__} does not have (no exact lift); use an IVF, HNSW, "
+            f"flat or LSH index (topk) or dense attention"
+        )
+
+
 @dataclass
 class KeyClusters:
     """A context's keys partitioned into clusters, with per-cluster statistics (module
@@ -208,12 +218,7 @@ class KeyClusters:
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "
                 f"{tuple(keys_w.shape)} and {tuple(values.shape)}"
             )
-        if not geometry.exact_lift:
-            raise ValueError(
-                f"cluster attention estimates logits from lift similarities, which "
-                f"{type(geometry).__name__} does not have (no exact lift); use an IVF, HNSW, "
-                f"flat or LSH index (topk) or dense attention"
-            )
+        check_clusterable(geometry)
         n = keys_w.shape[0]
         if n == 0:
             raise ValueError("cannot cluster an empty set of keys")

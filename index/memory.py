@@ -35,7 +35,7 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
-from .clusters import ClusterHeads, KeyClusters
+from .clusters import ClusterHeads, KeyClusters, check_clusterable
 from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
@@ -105,6 +105,8 @@ class LocalMemory:
             raise ValueError("geometry options go with a geometry name, not a Geometry")
         if geometry.dim != head_dim:
             raise ValueError(f"the geometry's dim is {geometry.dim}, the head_dim {head_dim}")
+        if mode == "tail":
+            check_clusterable(geometry)  # here, not at the first attend after a build
         self.heads, self.head_dim = heads, head_dim
         self.value_dim = value_dim or head_dim
         self.device = torch.device(device)

@@ -161,3 +161,7 @@ def test_bad_inputs_are_refused():
         causal_tail_attention(q[:2], k, v, g, torch.tensor([0, 1]), segment=0)
     with pytest.raises(ValueError, match="window and sinks"):
         causal_tail_attention(q[:2], k, v, g, torch.tensor([0, 1]), window=-1)
+    # A geometry without an exact lift, refused whatever the context's length (one shorter
+    # than a segment needs no clusters, and was answered).
+    with pytest.raises(ValueError, match="no exact lift"):
+        causal_tail_attention(q[:2], k, v, make_geometry("cone", 16), torch.tensor([0, 1]))

@@ -339,6 +339,11 @@ def test_a_local_memory_names_what_is_wrong_with_its_input():
         LocalMemory(2, 16, mode="dense")
     with pytest.raises(ValueError, match="budget"):
         LocalMemory(2, 16, budget=0)
+    # Tail mode over a geometry without an exact lift: refused at once, not at the first
+    # attend after a segment is clustered.
+    with pytest.raises(ValueError, match="no exact lift"):
+        LocalMemory(2, 16, geometry="cone", mode="tail")
+    LocalMemory(2, 16, geometry="cone", mode="topk").close()
     assert memory.n_tokens == 4
 
 
