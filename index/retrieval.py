@@ -165,7 +165,7 @@ def retrieval_attention(
         # the autograd graph (no queries: `(0, dv)` and `(0,)`; no keys: 0 and -inf per query).
         return dense_attention(q, k, v, geometry)
     if index == "clusters" or isinstance(index, KeyClusters):
-        return _cluster_attention(
+        out, lse = _cluster_attention(
             q,
             k,
             v,
@@ -178,6 +178,9 @@ def retrieval_attention(
             causal=causal,
             positions=positions,
         )
+        # The clusters compute in their own dtype; `out` comes back in the queries', as on
+        # every other path (`sparse_attention`), `lse` in the computing one.
+        return out.to(q.dtype), lse
     if tail:
         raise ValueError("tail=True needs index='clusters' or a KeyClusters")
     if isinstance(index, str):
@@ -257,22 +260,16 @@ def _cluster_attention(
     if causal:
         if positions is None:
             positions = query_positions(q.shape[0], k.shape[0], q.device)
-        out, lse = causal_tail_attention(
+        return causal_tail_attention(
             q, k, v, geometry, positions, budget=budget, tail=tail, window=window, sinks=sinks
         )
-    else:
-        if isinstance(clusters, str):
-            with torch.no_grad():
-                clusters = KeyClusters.build(geometry.witness(k), v, geometry)
-        elif clusters.n_keys != k.shape[0]:
-            raise ValueError(
-                f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given"
-            )
-        always = window_and_sinks(k.shape[0], window, sinks, k.device)
-        out, lse = tail_attention(q, clusters, budget=budget, tail=tail, always=always)
-    # The clusters compute in their own dtype; `out` comes back in the queries', as on every
-    # other path (`sparse_attention`), `lse` in the computing one.
-    return out.to(q.dtype), lse
+    if isinstance(clusters, str):
+        with torch.no_grad():
+            clusters = KeyClusters.build(geometry.witness(k), v, geometry)
+    elif clusters.n_keys != k.shape[0]:
+        raise ValueError(f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given")
+    always = window_and_sinks(k.shape[0], window, sinks, k.device)
+    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)
 
 
 def window_and_sinks(n_keys: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:
