@@ -17,8 +17,11 @@ them (after rotary embeddings), so the memory needs no positions.
 
 How the attention function finds its layer's memory: the model calls `cache.update` and then
 the attention function, in the same layer and thread; `update` leaves the layer in a context
-variable that the attention function takes (and clears). A layer the cache holds without memory
-(a chosen subset of layers) attends its cached keys exactly.
+variable that the attention function takes (and clears), and an update that finds it still
+there knows the model's attention is not rewa's. A layer the cache holds without memory (a
+chosen subset of layers) attends its cached keys exactly; a sliding-window layer keeps only its
+window (transformers' `DynamicSlidingWindowLayer`) and attends it exactly, and learned sinks
+(gpt-oss) join every layer's softmax (docs/llm.md, "Models").
 
 `EncoderMemory` does the same for a bidirectional encoder (BERT, MiniLM) reading a document
 window by window: each window attends itself and the memory of the earlier windows, layer by
@@ -33,7 +36,7 @@ from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -51,6 +54,9 @@ ATTENTION_NAME = "rewa"
 DEFAULT_WINDOW = 512
 DEFAULT_SINKS = 4
 DEFAULT_SPILL = 256
+# Queries of a prompt attended together by a layer with no memory (a sliding window, or a model
+# without a `RewaCache` that has a window or sinks): their logits, not all the prompt's at once.
+QUERY_BLOCK = 1024
 
 
 class AttentionMemory(Protocol):
@@ -139,9 +145,12 @@ class MemoryLayer(DynamicLayer):
         recent = torch.arange(self.sinks + self.n_spilled, self.n_seen)
         return torch.cat([torch.arange(sinks), recent]).to(self.keys.device)
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Attention of the newest `m` tokens' queries `(1, q_heads, m, head_dim)` over every
-        token so far: `(1, m, q_heads, value_dim)` in the query's dtype."""
+        token so far: `(1, m, q_heads, value_dim)` in the query's dtype. `sinks` `(q_heads,)`:
+        a logit per query head that takes part in the softmax with no value (`_sink_part`)."""
         _, q_heads, m, head_dim = query.shape
         kv_heads = self.keys.shape[1]
         if q_heads % kv_heads:
@@ -159,6 +168,8 @@ class MemoryLayer(DynamicLayer):
             if self.n_spilled:
                 out, lse = self.memory.attend(grouped)
                 parts.append((out.to(grouped.device), lse.to(grouped.device)))
+            if sinks is not None:
+                parts.append(_sink_part(sinks, parts[0][0], group))
             out, _ = merge_attention(*parts)
             outs.append(out.reshape(q_heads, end - start, -1))
         return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
@@ -230,6 +241,19 @@ class MemoryLayer(DynamicLayer):
         raise ValueError("rewa memory holds one sequence: batch size 1")
 
 
+def _sink_part(
+    sinks: torch.Tensor, like: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Learned attention sinks (gpt-oss's `s_aux`, a logit per query head that joins the
+    softmax and carries no value) as one more `(out, lse)` part to merge: zeros, and the sink
+    logit of each grouped query row of `like` `(kv_heads, group * m, dv)`, whose rows are the
+    `m` queries of query head `h * group + g` at `g * m` (`MemoryLayer.attend`)."""
+    kv_heads, rows = like.shape[0], like.shape[1]
+    logits = sinks.detach().to(like.device, torch.float32).reshape(kv_heads, group, 1)
+    lse = logits.expand(kv_heads, group, rows // group).reshape(kv_heads, rows)
+    return torch.zeros_like(like), lse
+
+
 def _without(buffer: torch.Tensor, moved: slice, used: int, spare: int) -> torch.Tensor:
     """`buffer` `(heads, capacity, d)` with its rows `moved` taken out of its first `used`: the
     rows after them moved down (a copy first: the two ranges overlap), in place, or into a
@@ -243,6 +267,29 @@ def _without(buffer: torch.Tensor, moved: slice, used: int, spare: int) -> torch
         return smaller
     buffer[:, moved.start : rows] = buffer[:, moved.stop : used].clone()
     return buffer
+
+
+def _sliding_windows(config: Any) -> list[int | None]:
+    """Per layer of the model's decoder, the sliding window it attends (None: every token), as
+    transformers' own caches read them: the config's `layer_types`, else its `sliding_window`
+    for every layer; any other kind of layer (chunked, linear, recurrent) is refused."""
+    decoder = config.get_text_config(decoder=True)
+    n_layers = decoder.num_hidden_layers
+    window = getattr(decoder, "sliding_window", None)
+    types = getattr(decoder, "layer_types", None)
+    if types is None:
+        chunked = getattr(decoder, "attention_chunk_size", None) is not None
+        kind = "chunked_attention" if chunked else "full_attention"
+        types = ["sliding_attention" if window is not None else kind] * n_layers
+    windows = []
+    for i, kind in enumerate(types[:n_layers]):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ValueError(
+                f"layer {i} is {kind!r}: a RewaCache holds full and sliding-window attention "
+                "layers only"
+            )
+        windows.append(window if kind == "sliding_attention" else None)
+    return windows
 
 
 class RewaCache(Cache):
@@ -266,14 +313,23 @@ class RewaCache(Cache):
             raise ValueError(
                 f"expected window >= 0, sinks >= 0 and spill >= 1, got {window}, {sinks}, {spill}"
             )
-        n_layers = config.get_text_config().num_hidden_layers
-        chosen = set(range(n_layers)) if layers is None else set(layers)
+        windows = _sliding_windows(config)
+        n_layers = len(windows)
+        full = {i for i, sliding in enumerate(windows) if sliding is None}
+        chosen = full if layers is None else set(layers)
         outside = sorted(chosen - set(range(n_layers)))
         if outside:
             raise ValueError(f"layers {outside} are not among the model's {n_layers} layers")
+        sliding = sorted(chosen - full)
+        if sliding:
+            raise ValueError(
+                f"layers {sliding} attend a sliding window: they keep only it, with no memory"
+            )
         super().__init__(
             layers=[
-                MemoryLayer(i, memory, window=window, sinks=sinks, spill=spill)
+                DynamicSlidingWindowLayer(sliding_window=windows[i])
+                if windows[i] is not None
+                else MemoryLayer(i, memory, window=window, sinks=sinks, spill=spill)
                 if i in chosen
                 else DynamicLayer()
                 for i in range(n_layers)
@@ -281,9 +337,16 @@ class RewaCache(Cache):
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        pending = _CURRENT.get()
+        _CURRENT.set(None)
+        if pending is not None and any(pending is layer for layer in self.layers):
+            raise ValueError(
+                "the model did not call rewa attention after its cache's update: switch it "
+                "with rewa.llm.enable(model) first (RewaCache holds tokens it never shows the "
+                "model's own attention)"
+            )
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        layer = self.layers[layer_idx]
-        _CURRENT.set(layer if isinstance(layer, MemoryLayer) else None)
+        _CURRENT.set(self.layers[layer_idx])
         return keys, values
 
     @property
@@ -377,35 +440,92 @@ def rewa_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The `"rewa"` attention implementation: query `(1, q_heads, m, d)`, the cache's keys and
-    values `(1, kv_heads, n, d)`; returns `((1, m, q_heads, dv), None)`."""
+    values `(1, kv_heads, n, d)`; returns `((1, m, q_heads, dv), None)`. A layer with a
+    `sliding_window` attends that many latest positions exactly; `s_aux` (gpt-oss) are sinks
+    (`_sink_part`); what it cannot compute (logit soft-capping, a position bias) is refused."""
+    layer = _CURRENT.get()
+    _CURRENT.set(None)
     if query.shape[0] != 1:
         raise ValueError(f"rewa attention runs one sequence: batch size 1, got {query.shape[0]}")
     if dropout:
         raise ValueError("rewa attention is for inference: call model.eval() (no dropout)")
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"rewa attention computes plain softmax attention: {what} ({name})")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    window, sinks = kwargs.get("sliding_window"), kwargs.get("s_aux")
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", True) if causal is None else causal
     layer_idx = getattr(module, "layer_idx", None)
-    layer = _CURRENT.get()
-    _CURRENT.set(None)
-    if layer is not None and layer.layer_idx == layer_idx:
-        return layer.attend(query, scaling), None
+    if isinstance(layer, MemoryLayer):
+        if window is not None:
+            raise ValueError(_MISMATCH.format(layer=layer_idx, attends=f"a window of {window}"))
+        return layer.attend(query, scaling, sinks), None
+    if isinstance(layer, DynamicSlidingWindowLayer) and window != layer.sliding_window:
+        attends = "every token" if window is None else f"a window of {window}"
+        raise ValueError(_MISMATCH.format(layer=layer_idx, attends=attends))
     encoder = _ENCODER.get()
     if encoder is not None:
+        if window is not None or sinks is not None:
+            raise ValueError("an encoder memory reads full attention: no sliding window or sinks")
         return encoder.attend(layer_idx, query, key, value, scaling), None
-    return _exact(query, key, value, scaling, getattr(module, "is_causal", True)), None
+    return _exact(query, key, value, scaling, causal, window, sinks), None
 
 
-def _exact(query, key, value, scaling, causal: bool):
-    """Full attention (causal: the queries are the last `m` of the `n` keys' positions)."""
-    group = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(group, dim=1)
-    value = value.repeat_interleave(group, dim=1)
-    m, n = query.shape[-2], key.shape[-2]
-    allowed = torch.ones(m, n, dtype=torch.bool, device=query.device)
-    allowed = allowed.tril(n - m) if causal else allowed
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=allowed, scale=scaling
-    )
-    return out.transpose(1, 2)
+# Arguments of transformers' attention functions that change the attention itself, and what they
+# are: rewa computes softmax(scale <q, k>) only.
+UNSUPPORTED = {"softcap": "no logit soft-capping", "position_bias": "no position bias"}
+_MISMATCH = (
+    "layer {layer} of the model attends {attends}, which its RewaCache layer does not hold: "
+    "make the cache from the model's own config"
+)
+
+
+def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
+    """Full attention (causal: the queries are the last `m` of the `n` keys' positions; `window`:
+    a query sees only that many latest positions, its own included; `sinks`: `_sink_part`)."""
+    if window is not None and not causal:
+        raise ValueError("rewa attention supports causal sliding windows only")
+    if window is None and sinks is None:
+        group = query.shape[1] // key.shape[1]
+        key = key.repeat_interleave(group, dim=1)
+        value = value.repeat_interleave(group, dim=1)
+        m, n = query.shape[-2], key.shape[-2]
+        allowed = torch.ones(m, n, dtype=torch.bool, device=query.device)
+        allowed = allowed.tril(n - m) if causal else allowed
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=allowed, scale=scaling
+        )
+        return out.transpose(1, 2)
+    return _exact_blocks(query, key[0], value[0], scaling, causal, window, sinks)
+
+
+def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks):
+    """`_exact` with a window or sinks, `QUERY_BLOCK` queries at a time, each over the keys it
+    can see (with a window, at most `window + QUERY_BLOCK` of them)."""
+    _, q_heads, m, head_dim = query.shape
+    kv_heads, n = keys.shape[0], keys.shape[1]
+    group = q_heads // kv_heads
+    key_positions = torch.arange(n, device=query.device)
+    outs = []
+    for start in range(0, m, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, m)
+        block = query[0, :, start:end].float().reshape(kv_heads, group * (end - start), head_dim)
+        first, last = (n - m + start, n - m + end) if causal else (0, n)
+        low = 0 if window is None else max(0, first - window + 1)
+        high = last if causal else n
+        positions = torch.arange(first, last, device=query.device).unsqueeze(1)
+        seen = key_positions[low:high].unsqueeze(0)
+        visible = seen <= positions if causal else None
+        if window is not None:
+            visible = visible & (seen > positions - window)
+        visible = None if visible is None else visible.repeat(group, 1)
+        parts = [exact_part(block, keys[:, low:high], values[:, low:high], scaling, visible)]
+        if sinks is not None:
+            parts.append(_sink_part(sinks, parts[0][0], group))
+        out, _ = merge_attention(*parts)
+        outs.append(out.reshape(q_heads, end - start, -1))
+    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
 def rewa_mask(
@@ -420,14 +540,32 @@ def rewa_mask(
     unpadded causal or bidirectional sequence."""
     if batch_size != 1:
         raise ValueError(f"rewa attention runs one sequence: batch size 1, got {batch_size}")
-    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+    plain = mask_function in (causal_mask_function, bidirectional_mask_function)
+    if not plain and not _is_sliding_window(mask_function, kwargs.get("local_size")):
         raise ValueError(
-            "rewa attention supports plain causal or bidirectional attention only (no sliding "
-            "window, chunked or packed masks)"
+            "rewa attention supports causal attention, with or without a sliding window, and "
+            "bidirectional attention only (no chunked, packed or bidirectional sliding masks)"
         )
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("rewa attention runs one unpadded sequence: the attention mask has zeros")
     return None
+
+
+def _is_sliding_window(mask_function: Callable, window: int | None) -> bool:
+    """Whether `mask_function` is transformers' causal sliding-window mask of `window`
+    positions (a query at p sees the keys in (p - window, p]), from its answers for keys around
+    the window's edges and the query (a chunked mask of the same size answers otherwise for
+    the key just before a query that starts a chunk)."""
+    if window is None or window < 1:
+        return False
+    query = 3 * window
+    offsets = (-2 * window, -window - 1, -window, -window + 1, -1, 0, 1)
+    zero = torch.tensor(0)
+    seen = [
+        bool(mask_function(zero, zero, torch.tensor(query), torch.tensor(query + offset)))
+        for offset in offsets
+    ]
+    return seen == [-window < offset <= 0 for offset in offsets]
 
 
 def register() -> None:
@@ -440,6 +578,11 @@ def enable(model: PreTrainedModel) -> PreTrainedModel:
     """Register the `"rewa"` attention and switch `model` to it; returns the model."""
     register()
     model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise ValueError(
+            f"{type(model).__name__} does not take its attention from transformers' "
+            "AttentionInterface, so rewa cannot be its attention"
+        )
     return model
 
 

@@ -9,6 +9,7 @@ says something (docs/llm.md, "Accuracy")."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -57,7 +58,8 @@ def models():
     )
     reference = LlamaForCausalLM(config).eval()
     reference.set_attn_implementation("sdpa")
-    model = LlamaForCausalLM(config).eval()
+    # A model keeps the config it is given, attention implementation included: its own copy.
+    model = LlamaForCausalLM(copy.deepcopy(config)).eval()
     model.load_state_dict(reference.state_dict())
     return reference, enable(model)
 

@@ -1,0 +1,167 @@
+"""The transformers integration on architectures other than Llama (docs/llm.md, "Models"):
+sliding-window layers (Mistral, Gemma 3, gpt-oss) and learned attention sinks (gpt-oss)
+against the same model with transformers' eager attention, and what is refused (logit
+soft-capping, models outside transformers' attention interface, a cache the model's attention
+never reads, layer kinds a cache cannot hold). Tiny models built from configs, no weights
+downloaded."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from rewa.llm import RewaCache, enable, local_memories
+
+TOKENS = 1200
+WINDOW = 100  # the models' sliding window, far shorter than the prompt
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.05,
+}
+MODELS = {
+    # every layer a sliding window
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    # a sliding layer, then a full one (the memory's)
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    # sliding and full layers, and a learned sink logit per head in both
+    "gpt-oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
+}
+
+
+def _pair(name: str, **changes):
+    """The model with transformers' eager attention (the reference) and the same weights with
+    rewa attention, each with its own config."""
+    config_class, model_class, extra = MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**{**COMMON, **extra, **changes})
+    reference = getattr(transformers, model_class)(config).eval()
+    reference.set_attn_implementation("eager")
+    model = getattr(transformers, model_class)(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, enable(model)
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    # no token 0 or 1: they are some of these configs' padding ids, which generate() masks
+    return torch.randint(2, 256, (1, TOKENS), generator=torch.Generator().manual_seed(3))
+
+
+def _cache(model, **options):
+    return RewaCache(model.config, local_memories(**options), window=64, sinks=4, spill=32)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_an_exact_memory_gives_the_logits_of_eager_attention(name, tokens):
+    reference, model = _pair(name)
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        without_cache = model(tokens, use_cache=False).logits
+        with _cache(model, mode="exact") as cache:
+            logits = model(tokens, past_key_values=cache, use_cache=True).logits
+            windows = [getattr(layer, "sliding_window", None) for layer in cache.layers]
+            # A sliding layer keeps only its window; a full one spills into its memory.
+            for layer, window in zip(cache.layers, windows, strict=True):
+                if window is not None:
+                    assert layer.keys.shape[-2] == WINDOW - 1
+            assert [layer.layer_idx for layer in cache.memory_layers] == [
+                i for i, window in enumerate(windows) if window is None
+            ]
+            assert all(layer.n_spilled > TOKENS // 2 for layer in cache.memory_layers)
+    torch.testing.assert_close(without_cache, expected, rtol=0, atol=1e-4)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_generation_equals_eager_attention(name, tokens):
+    reference, model = _pair(name)
+    prompt = tokens[:, :400]
+    mask = torch.ones_like(prompt)
+    with torch.no_grad():
+        expected = reference.generate(
+            prompt, attention_mask=mask, max_new_tokens=16, do_sample=False
+        )
+        with _cache(model, mode="exact") as cache:
+            generated = model.generate(
+                prompt,
+                attention_mask=mask,
+                max_new_tokens=16,
+                do_sample=False,
+                past_key_values=cache,
+            )
+    assert torch.equal(generated, expected)
+
+
+def test_a_tail_memory_under_sinks_keeps_the_argmax_of_eager_attention(tokens):
+    reference, model = _pair("gpt-oss")
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        with _cache(model, mode="tail", budget=0.05, open_segment=0) as cache:
+            logits = model(tokens, past_key_values=cache, use_cache=True).logits
+            assert cache.memory_layers[0].memory.n_tokens > TOKENS // 2
+    agreement = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    assert agreement >= 0.99
+
+
+def test_what_the_integration_cannot_compute_is_refused(tokens):
+    torch.manual_seed(0)
+    gemma2 = transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=WINDOW)
+    with pytest.raises(ValueError, match="soft-capping"), torch.no_grad():
+        enable(transformers.Gemma2ForCausalLM(gemma2).eval())(tokens[:, :8])
+
+    falcon = transformers.FalconConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4
+    )
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        enable(transformers.FalconForCausalLM(falcon).eval())
+
+    # A cache the model's own attention never reads would leave its spilled tokens out.
+    llama = transformers.LlamaConfig(**COMMON)
+    plain = transformers.LlamaForCausalLM(llama).eval()
+    cache = _cache(plain, mode="exact")
+    with torch.no_grad(), cache, pytest.raises(ValueError, match="enable"):
+        plain(tokens[:, :8], past_key_values=cache)
+    # Another cache is not held to what this one's model left undone.
+    with torch.no_grad(), RewaCache(llama, local_memories(mode="exact")) as cache:
+        enable(copy.deepcopy(plain))(tokens[:, :8], past_key_values=cache)
+
+    chunked = transformers.Llama4TextConfig(**COMMON, attention_chunk_size=64)
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        RewaCache(chunked, local_memories(mode="exact"))
+
+    _, model = _pair("gemma3")
+    with pytest.raises(ValueError, match="sliding window"):
+        RewaCache(model.config, local_memories(mode="exact"), layers=[0, 1])
+    # A cache made from another config than the model's: its layer 0 keeps every token.
+    other = copy.deepcopy(model.config)
+    other.layer_types = ["full_attention", "full_attention"]
+    cache = RewaCache(other, local_memories(mode="exact"))
+    with torch.no_grad(), cache, pytest.raises(ValueError, match="window of 100"):
+        model(tokens[:, :8], past_key_values=cache)
