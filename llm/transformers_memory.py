@@ -57,6 +57,13 @@ DEFAULT_SPILL = 256
 # Queries of a prompt attended together by a layer with no memory (a sliding window, or a model
 # without a `RewaCache` that has a window or sinks): their logits, not all the prompt's at once.
 QUERY_BLOCK = 1024
+# Arguments of transformers' attention functions that change the attention itself, and what they
+# are: rewa computes softmax(scale <q, k>) only.
+UNSUPPORTED = {"softcap": "no logit soft-capping", "position_bias": "no position bias"}
+_MISMATCH = (
+    "layer {layer} of the model attends {attends}, which its RewaCache layer does not hold: "
+    "make the cache from the model's own config"
+)
 
 
 class AttentionMemory(Protocol):
@@ -458,8 +465,9 @@ def rewa_attention(
     causal = getattr(module, "is_causal", True) if causal is None else causal
     layer_idx = getattr(module, "layer_idx", None)
     if isinstance(layer, MemoryLayer):
-        if window is not None:
-            raise ValueError(_MISMATCH.format(layer=layer_idx, attends=f"a window of {window}"))
+        if window is not None or not causal:
+            attends = "bidirectionally" if window is None else f"a window of {window}"
+            raise ValueError(_MISMATCH.format(layer=layer_idx, attends=attends))
         return layer.attend(query, scaling, sinks), None
     if isinstance(layer, DynamicSlidingWindowLayer) and window != layer.sliding_window:
         attends = "every token" if window is None else f"a window of {window}"
@@ -470,15 +478,6 @@ def rewa_attention(
             raise ValueError("an encoder memory reads full attention: no sliding window or sinks")
         return encoder.attend(layer_idx, query, key, value, scaling), None
     return _exact(query, key, value, scaling, causal, window, sinks), None
-
-
-# Arguments of transformers' attention functions that change the attention itself, and what they
-# are: rewa computes softmax(scale <q, k>) only.
-UNSUPPORTED = {"softcap": "no logit soft-capping", "position_bias": "no position bias"}
-_MISMATCH = (
-    "layer {layer} of the model attends {attends}, which its RewaCache layer does not hold: "
-    "make the cache from the model's own config"
-)
 
 
 def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
@@ -511,15 +510,16 @@ def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks):
     for start in range(0, m, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, m)
         block = query[0, :, start:end].float().reshape(kv_heads, group * (end - start), head_dim)
-        first, last = (n - m + start, n - m + end) if causal else (0, n)
-        low = 0 if window is None else max(0, first - window + 1)
-        high = last if causal else n
-        positions = torch.arange(first, last, device=query.device).unsqueeze(1)
-        seen = key_positions[low:high].unsqueeze(0)
-        visible = seen <= positions if causal else None
-        if window is not None:
-            visible = visible & (seen > positions - window)
-        visible = None if visible is None else visible.repeat(group, 1)
+        low, high, visible = 0, n, None
+        if causal:  # the block's queries are at positions [first, high)
+            first, high = n - m + start, n - m + end
+            low = 0 if window is None else max(0, first - window + 1)
+            positions = torch.arange(first, high, device=query.device).unsqueeze(1)
+            seen = key_positions[low:high].unsqueeze(0)
+            visible = seen <= positions
+            if window is not None:
+                visible &= seen > positions - window
+            visible = visible.repeat(group, 1)
         parts = [exact_part(block, keys[:, low:high], values[:, low:high], scaling, visible)]
         if sinks is not None:
             parts.append(_sink_part(sinks, parts[0][0], group))
@@ -536,8 +536,9 @@ def rewa_mask(
     **kwargs: Any,
 ) -> None:
     """The mask of the `"rewa"` implementation: none (it masks causally itself where the
-    attention module is causal), after checking that the model asks for nothing else: one
-    unpadded causal or bidirectional sequence."""
+    attention module is causal, within its sliding window where it has one), after checking
+    that the model asks for nothing else: one unpadded sequence, causal (with or without a
+    sliding window) or bidirectional."""
     if batch_size != 1:
         raise ValueError(f"rewa attention runs one sequence: batch size 1, got {batch_size}")
     plain = mask_function in (causal_mask_function, bidirectional_mask_function)
