@@ -37,6 +37,7 @@ class RemoteDocument:
         self.context_id: str | None = None
         self.shape: tuple[int, int, int, float] | None = None  # heads, head_dim, value_dim, scale
         self.committed = 0
+        self.made: set[int] = set()  # the layers whose memory `memory` made
         self.staged: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {
             layer: [] for layer in self.layers
         }
@@ -45,6 +46,12 @@ class RemoteDocument:
         """The memory of model layer `layer` (a `MemoryFactory`)."""
         if layer not in self.staged:
             raise ValueError(f"layer {layer} is not among the document's layers {self.layers}")
+        if layer in self.made:
+            raise ValueError(
+                f"layer {layer} of the document has its memory already: a document holds one "
+                "sequence (batch size 1)"
+            )
+        self.made.add(layer)
         shape = (heads, head_dim, value_dim, scale)
         if self.shape is None:
             spec = {"name": "dot", "scale": scale}
@@ -91,6 +98,7 @@ class RemoteDocument:
         if self.context_id is not None:
             self.client.delete_context(self.context_id)
         self.context_id, self.shape, self.committed = None, None, 0
+        self.made.clear()
         for blocks in self.staged.values():
             blocks.clear()
 

@@ -1,9 +1,10 @@
 """rewa as the long-context memory of a Hugging Face transformers model (docs/llm.md).
 
-`RewaCache` is a transformers `Cache`. Each chosen layer keeps the first `sinks` tokens and the
-most recent ones (at least `window`) with the model, and moves older tokens, `spill` or more at
-a time, into an attention memory: a `LocalMemory` in the process or a `RemoteMemory` on a rewa
-service, made per layer by the cache's memory factory. The attention implementation `"rewa"`
+`RewaCache` is a transformers `Cache`. Each chosen layer keeps, per sequence of the batch
+(padding left out), the first `sinks` tokens and the most recent ones (at least `window`) with
+the model, and moves older tokens, `spill` or more at a time, into an attention memory: a
+`LocalMemory` in the process or a `RemoteMemory` on a rewa service, made per layer and
+sequence by the cache's memory factory. The attention implementation `"rewa"`
 (`enable(model)` registers it and switches the model to it) computes each query's attention as
 two parts, the local keys exactly (causal) and the memory (`memory.attend`), and merges them by
 their log-sum-exps (`merge_attention`, docs/mathematics.md 7): with an exact memory the result
@@ -87,14 +88,18 @@ class AttentionMemory(Protocol):
 # must be `scale * <q, k>` (the dot geometry with that scale).
 MemoryFactory = Callable[[int, int, int, int, float], AttentionMemory]
 
-_CURRENT: ContextVar[MemoryLayer | None] = ContextVar("rewa_memory_layer", default=None)
+_CURRENT: ContextVar[Any] = ContextVar("rewa_cache_layer", default=None)
+# The padding of the forward pass under way, `(batch, positions so far)` True where a token is
+# one (None: none is padding); `rewa_mask` sets it, the cache's layers and the attention read it.
+_PADDING: ContextVar[torch.Tensor | None] = ContextVar("rewa_padding", default=None)
 _ENCODER: ContextVar[EncoderMemory | None] = ContextVar("rewa_encoder_memory", default=None)
 
 
 class MemoryLayer(DynamicLayer):
-    """One layer's cache: sinks and recent tokens in `keys`/`values` `(1, kv_heads, n_local,
-    head_dim)`, older ones in `memory` (created at the first spill). Token positions: the sinks
-    are `[0, sinks)`, the memory holds `[sinks, sinks + n_spilled)`, the recent tokens follow."""
+    """One sequence's cache in one layer: sinks and recent tokens in `keys`/`values`
+    `(1, kv_heads, n_local, head_dim)`, older ones in `memory` (created at the first spill).
+    Token positions: the sinks are `[0, sinks)`, the memory holds `[sinks, sinks + n_spilled)`,
+    the recent tokens follow."""
 
     is_croppable = False
 
@@ -276,6 +281,119 @@ def _without(buffer: torch.Tensor, moved: slice, used: int, spare: int) -> torch
     return buffer
 
 
+def _tokens(batch: int, positions: int, device: torch.device) -> torch.Tensor | None:
+    """Which of the last `positions` positions hold tokens, per sequence `(batch, positions)`,
+    from the padding of the forward pass under way (`_PADDING`); None where none is padding."""
+    padding = _PADDING.get()
+    if padding is None:
+        return None
+    if padding.shape[0] != batch or padding.shape[1] < positions:
+        raise ValueError(
+            f"the attention mask {tuple(padding.shape)} does not cover {batch} sequences of "
+            f"{positions} positions: pass the 2D attention mask of the whole sequence so far"
+        )
+    return padding[:, padding.shape[1] - positions :].to(device)
+
+
+class SequencesLayer(DynamicLayer):
+    """One memory layer of a batch: a `MemoryLayer` per sequence (`sequences`, made at the first
+    update), each holding its sequence's tokens without the padding (`_PADDING`), so that a
+    sequence's sinks, window and memory are its own tokens. Positions count padding as
+    transformers' caches do (`get_seq_length`)."""
+
+    is_croppable = False
+
+    def __init__(
+        self, layer_idx: int, memory_factory: MemoryFactory, *, window: int, sinks: int, spill: int
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.make = lambda: MemoryLayer(
+            layer_idx, memory_factory, window=window, sinks=sinks, spill=spill
+        )
+        self.sequences: list[MemoryLayer] = []
+        self.n_positions = 0
+        self._tokens: torch.Tensor | None = None  # the latest update's (batch, m), None: all
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        batch, m = key_states.shape[0], key_states.shape[-2]
+        if not self.sequences:
+            self.sequences = [self.make() for _ in range(batch)]
+            self.is_initialized = True
+        if batch != len(self.sequences):
+            raise ValueError(
+                f"a batch of {batch} sequences, where this cache holds {len(self.sequences)}"
+            )
+        self._tokens = _tokens(batch, m, key_states.device)
+        for b, sequence in enumerate(self.sequences):
+            keys, values = key_states[b : b + 1], value_states[b : b + 1]
+            if self._tokens is not None:
+                keys, values = keys[:, :, self._tokens[b]], values[:, :, self._tokens[b]]
+            sequence.update(keys, values)
+        self.n_positions += m
+        # What `Cache` reads of a layer (dtype, device, shape): not the block, which a long
+        # prompt makes large.
+        self.keys = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[-1])
+        self.values = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[-1])
+        return key_states, value_states
+
+    def attend(
+        self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`MemoryLayer.attend` of each sequence's queries: `(batch, m, q_heads, value_dim)`,
+        zeros at padding."""
+        if self._tokens is None and len(self.sequences) == 1:
+            return self.sequences[0].attend(query, scaling, sinks)
+        out = None
+        for b, sequence in enumerate(self.sequences):
+            tokens = slice(None) if self._tokens is None else self._tokens[b]
+            queries = query[b : b + 1, :, tokens]
+            if queries.shape[-2] == 0:
+                continue
+            answer = sequence.attend(queries, scaling, sinks)[0]
+            if out is None:
+                shape = (query.shape[0], query.shape[2], query.shape[1], answer.shape[-1])
+                out = answer.new_zeros(shape)
+            out[b, tokens] = answer
+        if out is None:  # nothing but padding
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+        return out
+
+    def get_seq_length(self) -> int:
+        return self.n_positions
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.n_positions + query_length, 0
+
+    def wait_for_index(self) -> None:
+        for sequence in self.sequences:
+            sequence.wait_for_index()
+
+    def close(self) -> None:
+        for sequence in self.sequences:
+            sequence.close()
+        self.sequences = []
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.n_positions = 0
+
+    def reset(self) -> None:
+        self.close()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a rewa memory layer cannot be cropped (tokens in memory stay there)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError("a rewa memory is one per sequence: beam search is not supported")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.sequences:
+            raise ValueError("a rewa memory is one per sequence: its batch cannot be expanded")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise ValueError("a rewa memory is one per sequence: its batch cannot be changed")
+
+
 def _sliding_windows(config: Any) -> list[int | None]:
     """Per layer of the model's decoder, the sliding window it attends (None: every token), as
     transformers' own caches read them: the config's `layer_types`, else its `sliding_window`
@@ -301,10 +419,11 @@ def _sliding_windows(config: Any) -> list[int | None]:
 
 class RewaCache(Cache):
     """The cache of a model whose attention implementation is `"rewa"` (`enable`): the layers in
-    `layers` (default: every layer) keep `sinks` and at least `window` recent tokens and spill
-    older ones into a memory made by `memory(layer, kv_heads, head_dim, value_dim, scale)`
-    (`local_memories`, `remote_memories`); other layers keep every token. One sequence (batch
-    size 1). `close()` (or leaving a `with` block) frees every layer's memory."""
+    `layers` (default: every full-attention layer) keep, per sequence of the batch, `sinks` and
+    at least `window` recent tokens and spill older ones into a memory made by
+    `memory(layer, kv_heads, head_dim, value_dim, scale)` (`local_memories`, `remote_memories`;
+    `SequencesLayer`); sliding-window layers keep their window, other layers every token.
+    `close()` (or leaving a `with` block) frees every layer's memory."""
 
     def __init__(
         self,
@@ -336,7 +455,7 @@ class RewaCache(Cache):
             layers=[
                 DynamicSlidingWindowLayer(sliding_window=windows[i])
                 if windows[i] is not None
-                else MemoryLayer(i, memory, window=window, sinks=sinks, spill=spill)
+                else SequencesLayer(i, memory, window=window, sinks=sinks, spill=spill)
                 if i in chosen
                 else DynamicLayer()
                 for i in range(n_layers)
@@ -358,17 +477,21 @@ class RewaCache(Cache):
 
     @property
     def memory_layers(self) -> list[MemoryLayer]:
-        return [layer for layer in self.layers if isinstance(layer, MemoryLayer)]
+        """Every sequence's `MemoryLayer`, layer by layer (none before the first update)."""
+        return [sequence for layer in self._sequences() for sequence in layer.sequences]
+
+    def _sequences(self) -> list[SequencesLayer]:
+        return [layer for layer in self.layers if isinstance(layer, SequencesLayer)]
 
     def wait_for_index(self) -> None:
         """Wait until every layer's memory has indexed what it holds: after a long prompt, so
         that the decode steps that follow read indexes, not the keys still being indexed
         (docs/llm.md, "Waiting for the index")."""
-        for layer in self.memory_layers:
+        for layer in self._sequences():
             layer.wait_for_index()
 
     def close(self) -> None:
-        for layer in self.memory_layers:
+        for layer in self._sequences():
             layer.close()
 
     def __enter__(self) -> RewaCache:
@@ -452,8 +575,8 @@ def rewa_attention(
     (`_sink_part`); what it cannot compute (logit soft-capping, a position bias) is refused."""
     layer = _CURRENT.get()
     _CURRENT.set(None)
-    if query.shape[0] != 1:
-        raise ValueError(f"rewa attention runs one sequence: batch size 1, got {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("rewa attention takes a 2D attention mask only (not a prepared 4D one)")
     if dropout:
         raise ValueError("rewa attention is for inference: call model.eval() (no dropout)")
     for name, what in UNSUPPORTED.items():
@@ -464,7 +587,7 @@ def rewa_attention(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
     layer_idx = getattr(module, "layer_idx", None)
-    if isinstance(layer, MemoryLayer):
+    if isinstance(layer, SequencesLayer):
         if window is not None or not causal:
             attends = "bidirectionally" if window is None else f"a window of {window}"
             raise ValueError(_MISMATCH.format(layer=layer_idx, attends=attends))
@@ -474,18 +597,24 @@ def rewa_attention(
         raise ValueError(_MISMATCH.format(layer=layer_idx, attends=attends))
     encoder = _ENCODER.get()
     if encoder is not None:
-        if window is not None or sinks is not None:
-            raise ValueError("an encoder memory reads full attention: no sliding window or sinks")
+        if window is not None or sinks is not None or _PADDING.get() is not None:
+            raise ValueError(
+                "an encoder memory reads one unpadded window with full attention: no padding, "
+                "sliding window or sinks"
+            )
         return encoder.attend(layer_idx, query, key, value, scaling), None
     return _exact(query, key, value, scaling, causal, window, sinks), None
 
 
 def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
-    """Full attention (causal: the queries are the last `m` of the `n` keys' positions; `window`:
-    a query sees only that many latest positions, its own included; `sinks`: `_sink_part`)."""
+    """Full attention of queries `(batch, q_heads, m, d)` over keys `(batch, kv_heads, n, d)`
+    (causal: the queries are the last `m` of the `n` keys' positions; `window`: a query sees
+    only that many latest positions, its own included; `sinks`: `_sink_part`), padding
+    (`_PADDING`) unseen: `(batch, m, q_heads, dv)`."""
     if window is not None and not causal:
         raise ValueError("rewa attention supports causal sliding windows only")
-    if window is None and sinks is None:
+    tokens = _tokens(key.shape[0], key.shape[-2], key.device)
+    if window is None and sinks is None and tokens is None:
         group = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(group, dim=1)
         value = value.repeat_interleave(group, dim=1)
@@ -496,20 +625,25 @@ def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
             query, key, value, attn_mask=allowed, scale=scaling
         )
         return out.transpose(1, 2)
-    return _exact_blocks(query, key[0], value[0], scaling, causal, window, sinks)
+    rows = [
+        _exact_blocks(query[b], key[b], value[b], scaling, causal, window, sinks, tokens, b)
+        for b in range(query.shape[0])
+    ]
+    return torch.stack(rows).to(query.dtype)
 
 
-def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks):
-    """`_exact` with a window or sinks, `QUERY_BLOCK` queries at a time, each over the keys it
-    can see (with a window, at most `window + QUERY_BLOCK` of them)."""
-    _, q_heads, m, head_dim = query.shape
+def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks, tokens, b):
+    """`_exact` of sequence `b` (query `(q_heads, m, d)`, keys and values `(kv_heads, n, .)`),
+    `QUERY_BLOCK` queries at a time, each over the keys it can see (with a window, at most
+    `window + QUERY_BLOCK` of them): `(m, q_heads, dv)`, zeros where a query sees no token."""
+    q_heads, m, head_dim = query.shape
     kv_heads, n = keys.shape[0], keys.shape[1]
     group = q_heads // kv_heads
     key_positions = torch.arange(n, device=query.device)
     outs = []
     for start in range(0, m, QUERY_BLOCK):
         end = min(start + QUERY_BLOCK, m)
-        block = query[0, :, start:end].float().reshape(kv_heads, group * (end - start), head_dim)
+        block = query[:, start:end].float().reshape(kv_heads, group * (end - start), head_dim)
         low, high, visible = 0, n, None
         if causal:  # the block's queries are at positions [first, high)
             first, high = n - m + start, n - m + end
@@ -519,13 +653,17 @@ def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks):
             visible = seen <= positions
             if window is not None:
                 visible &= seen > positions - window
-            visible = visible.repeat(group, 1)
+        if tokens is not None:
+            real = tokens[b, low:high].unsqueeze(0)
+            visible = real if visible is None else visible & real
+        if visible is not None:
+            visible = visible.expand(end - start, -1).repeat(group, 1)
         parts = [exact_part(block, keys[:, low:high], values[:, low:high], scaling, visible)]
         if sinks is not None:
             parts.append(_sink_part(sinks, parts[0][0], group))
         out, _ = merge_attention(*parts)
         outs.append(out.reshape(q_heads, end - start, -1))
-    return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 def rewa_mask(
@@ -537,18 +675,17 @@ def rewa_mask(
 ) -> None:
     """The mask of the `"rewa"` implementation: none (it masks causally itself where the
     attention module is causal, within its sliding window where it has one), after checking
-    that the model asks for nothing else: one unpadded sequence, causal (with or without a
-    sliding window) or bidirectional."""
-    if batch_size != 1:
-        raise ValueError(f"rewa attention runs one sequence: batch size 1, got {batch_size}")
+    that the model asks for nothing else: causal attention (with or without a sliding window)
+    or bidirectional attention. The padding of `attention_mask` is left in `_PADDING` for the
+    cache's layers and the attention of this forward pass."""
     plain = mask_function in (causal_mask_function, bidirectional_mask_function)
     if not plain and not _is_sliding_window(mask_function, kwargs.get("local_size")):
         raise ValueError(
             "rewa attention supports causal attention, with or without a sliding window, and "
             "bidirectional attention only (no chunked, packed or bidirectional sliding masks)"
         )
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("rewa attention runs one unpadded sequence: the attention mask has zeros")
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    _PADDING.set(attention_mask.bool() if padded else None)
     return None
 
 

@@ -402,6 +402,70 @@ def test_a_tail_memory_at_two_percent_keeps_the_argmax_of_full_attention(
         client.close()
 
 
+def _left_padded(sequences: list[torch.Tensor], pad: int = 0):
+    """`(batch, longest)` token ids with each sequence at the right, and the attention mask."""
+    longest = max(sequence.shape[-1] for sequence in sequences)
+    ids = torch.full((len(sequences), longest), pad)
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, longest - sequence.shape[-1] :] = sequence[0]
+        mask[row, longest - sequence.shape[-1] :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, tokens, server):
+    """A memory per sequence, holding its tokens without the padding: every sequence's logits
+    are those of full attention over it alone, and so are its greedy tokens."""
+    reference, model = models
+    sequences = [tokens[:, :1500], tokens[:, 1500:2600], tokens[:, 2600:3300]]
+    ids, mask = _left_padded(sequences)
+    client = Client(server.url) if where == "http" else None
+    memories = (
+        local_memories(mode="exact") if client is None else remote_memories(client, mode="exact")
+    )
+    with torch.no_grad():
+        alone = [reference(sequence).logits[0] for sequence in sequences]
+        spilled_alone = []
+        for sequence in sequences:
+            with RewaCache(model.config, local_memories(mode="exact")) as cache:
+                model(sequence, past_key_values=cache)
+                spilled_alone.append([layer.n_spilled for layer in cache.memory_layers])
+        with RewaCache(model.config, memories) as cache:
+            logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+            # layer by layer, sequence by sequence: each spilled what it spills alone
+            spilled = [layer.n_spilled for layer in cache.memory_layers]
+            assert spilled == [spilled_alone[row][layer] for layer in (0, 1) for row in (0, 1, 2)]
+            assert min(spilled[:2]) > 0
+            if client is not None:
+                # a context per layer and sequence that spilled
+                assert len(client.list_contexts()) == sum(count > 0 for count in spilled)
+    for row, sequence in enumerate(sequences):
+        torch.testing.assert_close(
+            logits[row, -sequence.shape[-1] :], alone[row], rtol=0, atol=1e-4
+        )
+    if client is not None:
+        assert client.list_contexts() == []
+        client.close()
+        return
+    with torch.no_grad():
+        expected = [
+            reference.generate(sequence, max_new_tokens=12, do_sample=False)[0, -12:]
+            for sequence in sequences
+        ]
+        with RewaCache(model.config, memories) as cache:
+            generated = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=12,
+                do_sample=False,
+                pad_token_id=0,
+                past_key_values=cache,
+            )
+    for row in range(len(sequences)):
+        assert torch.equal(generated[row, -12:], expected[row])
+
+
 def test_layers_outside_the_chosen_subset_keep_every_token(models, tokens, full_logits):
     model = models[1]
     with RewaCache(model.config, local_memories(mode="exact"), layers=[1]) as cache:
@@ -423,23 +487,19 @@ def test_the_integration_refuses_what_it_cannot_compute(models, tokens):
     model = models[1]
     memories = local_memories(mode="exact")
     with torch.no_grad():
-        with pytest.raises(ValueError, match="batch size 1"):
-            model(tokens[:, :8].repeat(2, 1), past_key_values=RewaCache(model.config, memories))
-        mask = torch.ones(1, 8, dtype=torch.long)
-        mask[0, 0] = 0
-        with pytest.raises(ValueError, match="unpadded"):
-            model(
-                tokens[:, :8],
-                attention_mask=mask,
-                past_key_values=RewaCache(model.config, memories),
-            )
-        with pytest.raises(ValueError, match="batch size 1"):  # beams are a batch
+        with pytest.raises(ValueError, match="beam search"):  # a memory per beam
             model.generate(
                 tokens[:, :8],
                 num_beams=2,
                 max_new_tokens=2,
                 past_key_values=RewaCache(model.config, memories),
             )
+        cache = RewaCache(model.config, memories)
+        model(tokens[:, :8].repeat(2, 1), past_key_values=cache)
+        with pytest.raises(ValueError, match="batch of 3"):  # the cache holds 2 sequences
+            model(tokens[:, 8:9].repeat(3, 1), past_key_values=cache)
+        with pytest.raises(ValueError, match="4D"):
+            model(tokens[:, :8], attention_mask=torch.ones(1, 1, 8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="layers"):
         RewaCache(model.config, memories, layers=[2])
     with pytest.raises(ValueError, match="spill"):
@@ -489,6 +549,16 @@ def test_minilm_with_an_exact_memory_at_every_layer_is_block_causal_full_attenti
     bert.set_attn_implementation("sdpa")
 
 
+def test_a_document_refuses_a_second_sequence(models, tokens, server):
+    model = models[1]
+    with Client(server.url) as client:
+        document = RemoteDocument(client, range(2), mode="exact")
+        cache = RewaCache(model.config, document.memory, window=64, spill=32)
+        with torch.no_grad(), cache, pytest.raises(ValueError, match="one sequence"):
+            model(tokens[:, :200].repeat(2, 1), past_key_values=cache)
+        assert client.list_contexts() == []  # closing the cache deleted the document
+
+
 @pytest.mark.parametrize("mode", ["exact", "tail"])
 def test_every_layer_in_one_multi_layer_document(mode, models, tokens, full_logits, server):
     """`RemoteDocument`: one context holds every layer's memory, one commit per spill for all
@@ -499,7 +569,7 @@ def test_every_layer_in_one_multi_layer_document(mode, models, tokens, full_logi
         with RewaCache(model.config, document.memory) as cache:
             logits = _logits_with(model, tokens, cache)
             (context,) = client.list_contexts()
-            assert (context["layers"], context["n_tokens"]) == (2, cache.layers[0].n_spilled)
+            assert (context["layers"], context["n_tokens"]) == (2, cache.memory_layers[0].n_spilled)
             assert all(not blocks for blocks in document.staged.values())
         assert client.list_contexts() == []
         if mode == "exact":

@@ -118,6 +118,30 @@ def test_greedy_generation_equals_eager_attention(name, tokens):
     assert torch.equal(generated, expected)
 
 
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss"])
+def test_a_left_padded_batch_is_each_sequence_attended_alone(name, tokens):
+    """Sliding windows and sinks over a left-padded batch: each sequence's logits are those of
+    eager attention over it alone (a window counts the padding's positions, as transformers'
+    mask does, and the padding precedes every token, so a query sees the same tokens)."""
+    reference, model = _pair(name)
+    sequences = [tokens[:, :900], tokens[:, 900:1200]]
+    ids = torch.zeros(2, 900, dtype=torch.long)
+    mask = torch.zeros(2, 900, dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, 900 - sequence.shape[-1] :] = sequence[0]
+        mask[row, 900 - sequence.shape[-1] :] = 1
+    with torch.no_grad():
+        with _cache(model, mode="exact") as cache:
+            logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+            assert len(cache.memory_layers) == 2  # one full-attention layer, two sequences
+        without_cache = model(ids, attention_mask=mask, use_cache=False).logits
+        for row, sequence in enumerate(sequences):
+            expected = reference(sequence).logits[0]
+            n = sequence.shape[-1]
+            torch.testing.assert_close(logits[row, -n:], expected, rtol=0, atol=1e-4)
+            torch.testing.assert_close(without_cache[row, -n:], expected, rtol=0, atol=1e-4)
+
+
 def test_a_tail_memory_under_sinks_keeps_the_argmax_of_eager_attention(tokens):
     reference, model = _pair("gpt-oss")
     with torch.no_grad():
