@@ -466,6 +466,21 @@ def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, toke
         assert torch.equal(generated[row, -12:], expected[row])
 
 
+def test_sampled_sequences_of_one_prompt_have_a_memory_each(models, tokens):
+    """`num_return_sequences` makes a batch of the prompt before the first forward pass."""
+    reference, model = models
+    prompt = tokens[:, :1200]
+    options = {"do_sample": True, "num_return_sequences": 3, "max_new_tokens": 8}
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expected = reference.generate(prompt, **options)
+        with RewaCache(model.config, local_memories(mode="exact")) as cache:
+            torch.manual_seed(5)
+            generated = model.generate(prompt, past_key_values=cache, **options)
+            assert len(cache.memory_layers) == 2 * 3
+    assert torch.equal(generated, expected)
+
+
 def test_layers_outside_the_chosen_subset_keep_every_token(models, tokens, full_logits):
     model = models[1]
     with RewaCache(model.config, local_memories(mode="exact"), layers=[1]) as cache:
