@@ -308,9 +308,8 @@ class SequencesLayer(DynamicLayer):
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.make = lambda: MemoryLayer(
-            layer_idx, memory_factory, window=window, sinks=sinks, spill=spill
-        )
+        self.memory_factory = memory_factory
+        self.window, self.sinks, self.spill = window, sinks, spill
         self.sequences: list[MemoryLayer] = []
         self.n_positions = 0
         self._tokens: torch.Tensor | None = None  # the latest update's (batch, m), None: all
@@ -318,7 +317,16 @@ class SequencesLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         batch, m = key_states.shape[0], key_states.shape[-2]
         if not self.sequences:
-            self.sequences = [self.make() for _ in range(batch)]
+            self.sequences = [
+                MemoryLayer(
+                    self.layer_idx,
+                    self.memory_factory,
+                    window=self.window,
+                    sinks=self.sinks,
+                    spill=self.spill,
+                )
+                for _ in range(batch)
+            ]
             self.is_initialized = True
         if batch != len(self.sequences):
             raise ValueError(
@@ -356,7 +364,8 @@ class SequencesLayer(DynamicLayer):
                 out = answer.new_zeros(shape)
             out[b, tokens] = answer
         if out is None:  # nothing but padding
-            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+            value_dim = self.sequences[0].values.shape[-1]
+            return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value_dim)
         return out
 
     def get_seq_length(self) -> int:
