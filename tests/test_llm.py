@@ -466,6 +466,32 @@ def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, toke
         assert torch.equal(generated[row, -12:], expected[row])
 
 
+def test_a_prefill_chunk_of_nothing_but_padding(models, tokens):
+    """A batch padded beyond its longest sequence, prefilled in chunks: the first chunk holds
+    no token of any sequence, and every sequence still gets its greedy tokens alone."""
+    reference, model = models
+    sequences = [tokens[:, :600], tokens[:, 600:950]]
+    ids, mask = _left_padded([torch.zeros(1, 1024, dtype=torch.long), *sequences])
+    ids, mask = ids[1:], mask[1:]
+    with torch.no_grad():
+        expected = [
+            reference.generate(sequence, max_new_tokens=8, do_sample=False)[0, -8:]
+            for sequence in sequences
+        ]
+        with RewaCache(model.config, local_memories(mode="exact"), window=64, spill=32) as cache:
+            generated = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=8,
+                do_sample=False,
+                pad_token_id=0,
+                prefill_chunk_size=256,
+                past_key_values=cache,
+            )
+    for row in range(len(sequences)):
+        assert torch.equal(generated[row, -8:], expected[row])
+
+
 def test_sampled_sequences_of_one_prompt_have_a_memory_each(models, tokens):
     """`num_return_sequences` makes a batch of the prompt before the first forward pass."""
     reference, model = models
