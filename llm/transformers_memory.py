@@ -687,32 +687,47 @@ def rewa_mask(
     that the model asks for nothing else: causal attention (with or without a sliding window)
     or bidirectional attention. The padding of `attention_mask` is left in `_PADDING` for the
     cache's layers and the attention of this forward pass."""
-    plain = mask_function in (causal_mask_function, bidirectional_mask_function)
-    if not plain and not _is_sliding_window(mask_function, kwargs.get("local_size")):
-        raise ValueError(
-            "rewa attention supports causal attention, with or without a sliding window, and "
-            "bidirectional attention only (no chunked, packed or bidirectional sliding masks)"
-        )
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        first = int(kwargs.get("q_offset") or 0)
+        queries = torch.arange(first, first + int(kwargs.get("q_length") or 0))
+        window = kwargs.get("local_size")
+        if not _is_sliding_window(mask_function, window, batch_size, queries):
+            raise ValueError(
+                "rewa attention supports causal attention, with or without a sliding window, and "
+                "bidirectional attention only (no chunked, packed or bidirectional sliding masks)"
+            )
     padded = attention_mask is not None and not bool(attention_mask.all())
     _PADDING.set(attention_mask.bool() if padded else None)
     return None
 
 
-def _is_sliding_window(mask_function: Callable, window: int | None) -> bool:
+def _is_sliding_window(
+    mask_function: Callable, window: int | None, batch_size: int, queries: torch.Tensor
+) -> bool:
     """Whether `mask_function` is transformers' causal sliding-window mask of `window`
-    positions (a query at p sees the keys in (p - window, p]), from its answers for keys around
-    the window's edges and the query (a chunked mask of the same size answers otherwise for
-    the key just before a query that starts a chunk)."""
+    positions (a query at p sees the keys in (p - window, p]), from its answers:
+    - for keys around the window's edges and a query far from the start (a chunked mask of the
+      same size answers otherwise for the key just before a query that starts a chunk);
+    - for every query of the forward pass (`queries`, their positions), in every sequence, for
+      its own key and the first of its window (a mask of packed sequences answers otherwise at
+      a sequence's first token, which sees no key before it)."""
     if window is None or window < 1:
         return False
-    query = 3 * window
+    far = 3 * window
     offsets = (-2 * window, -window - 1, -window, -window + 1, -1, 0, 1)
-    zero = torch.tensor(0)
-    seen = [
-        bool(mask_function(zero, zero, torch.tensor(query), torch.tensor(query + offset)))
-        for offset in offsets
-    ]
-    return seen == [-window < offset <= 0 for offset in offsets]
+    zero, rows = torch.tensor(0), torch.arange(batch_size).unsqueeze(1)
+    queries = queries.unsqueeze(0)
+    try:
+        seen = [
+            bool(mask_function(zero, zero, torch.tensor(far), torch.tensor(far + offset)))
+            for offset in offsets
+        ]
+        own = mask_function(rows, zero, queries, queries)
+        first = mask_function(rows, zero, queries, (queries - window + 1).clamp_min(0))
+    except (IndexError, RuntimeError):  # a mask over a table (packed sequences) short of them
+        return False
+    edges = seen == [-window < offset <= 0 for offset in offsets]
+    return edges and bool(torch.as_tensor(own).all()) and bool(torch.as_tensor(first).all())
 
 
 def register() -> None:

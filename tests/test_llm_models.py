@@ -180,6 +180,12 @@ def test_what_the_integration_cannot_compute_is_refused(tokens):
     with pytest.raises(ValueError, match="chunked_attention"):
         RewaCache(chunked, local_memories(mode="exact"))
 
+    # Packed sequences (positions restarting within one row): transformers' packed mask.
+    _, mistral = _pair("mistral")
+    positions = torch.cat([torch.arange(200), torch.arange(200)]).unsqueeze(0)
+    with torch.no_grad(), pytest.raises(ValueError, match="packed"):
+        mistral(tokens[:, :400], position_ids=positions, use_cache=False)
+
     _, model = _pair("gemma3")
     with pytest.raises(ValueError, match="sliding window"):
         RewaCache(model.config, local_memories(mode="exact"), layers=[0, 1])
