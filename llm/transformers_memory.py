@@ -709,8 +709,9 @@ def _is_sliding_window(
     - for keys around the window's edges and a query far from the start (a chunked mask of the
       same size answers otherwise for the key just before a query that starts a chunk);
     - for every query of the forward pass (`queries`, their positions), in every sequence, for
-      its own key and the first of its window (a mask of packed sequences answers otherwise at
-      a sequence's first token, which sees no key before it)."""
+      its own key, the first of its window and the next one (a mask of packed sequences
+      answers otherwise at a sequence's first token, which sees no key before it, and a mask
+      that lets blocks of tokens see each other, such as images', within such a block)."""
     if window is None or window < 1:
         return False
     far = 3 * window
@@ -724,10 +725,12 @@ def _is_sliding_window(
         ]
         own = mask_function(rows, zero, queries, queries)
         first = mask_function(rows, zero, queries, (queries - window + 1).clamp_min(0))
+        later = mask_function(rows, zero, queries, queries + 1)
     except (IndexError, RuntimeError):  # a mask over a table (packed sequences) short of them
         return False
     edges = seen == [-window < offset <= 0 for offset in offsets]
-    return edges and bool(torch.as_tensor(own).all()) and bool(torch.as_tensor(first).all())
+    seen_as_window = torch.as_tensor(own).all() & torch.as_tensor(first).all()
+    return edges and bool(seen_as_window & ~torch.as_tensor(later).any())
 
 
 def register() -> None:

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import transformers
+from transformers.masking_utils import create_sliding_window_causal_mask
 
 from rewa.llm import RewaCache, enable, local_memories
 
@@ -185,6 +186,17 @@ def test_what_the_integration_cannot_compute_is_refused(tokens):
     positions = torch.cat([torch.arange(200), torch.arange(200)]).unsqueeze(0)
     with torch.no_grad(), pytest.raises(ValueError, match="packed"):
         mistral(tokens[:, :400], position_ids=positions, use_cache=False)
+    # A window whose tokens 10-19 also see each other (an image's tokens in Gemma 3's mask).
+    embeddings = torch.zeros(1, 50, COMMON["hidden_size"])
+    create_sliding_window_causal_mask(mistral.config, embeddings, None, None)  # a plain window
+
+    def image(batch, head, query, key):
+        return (query >= 10) & (query < 20) & (key >= 10) & (key < 20)
+
+    with pytest.raises(ValueError, match="sliding window"):
+        create_sliding_window_causal_mask(
+            mistral.config, embeddings, None, None, or_mask_function=image
+        )
 
     _, model = _pair("gemma3")
     with pytest.raises(ValueError, match="sliding window"):
