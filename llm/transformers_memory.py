@@ -600,6 +600,14 @@ def rewa_attention(
         if window is not None or not causal:
             attends = "bidirectionally" if window is None else f"a window of {window}"
             raise ValueError(_MISMATCH.format(layer=layer_idx, attends=attends))
+        cached = (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
+        if cached != (key.shape[1], key.shape[-1], value.shape[-1]):
+            raise ValueError(
+                f"layer {layer_idx} caches something else than the keys and values it attends "
+                f"(heads, key and value widths {cached} against {key.shape[1]}, "
+                f"{key.shape[-1]}, {value.shape[-1]}; DeepSeek's compressed latents): a rewa "
+                "memory holds keys and values"
+            )
         return layer.attend(query, scaling, sinks), None
     if isinstance(layer, DynamicSlidingWindowLayer) and window != layer.sliding_window:
         attends = "every token" if window is None else f"a window of {window}"

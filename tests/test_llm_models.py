@@ -176,6 +176,25 @@ def test_what_the_integration_cannot_compute_is_refused(tokens):
     with torch.no_grad(), RewaCache(llama, local_memories(mode="exact")) as cache:
         enable(copy.deepcopy(plain))(tokens[:, :8], past_key_values=cache)
 
+    # DeepSeek's multi-head latent attention caches compressed latents, not keys and values.
+    deepseek = transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=12,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+    )
+    latent = enable(transformers.DeepseekV3ForCausalLM(deepseek).eval())
+    cache = _cache(latent, mode="exact")
+    with torch.no_grad(), cache, pytest.raises(ValueError, match="something else"):
+        latent(tokens[:, :200], past_key_values=cache)
+
     chunked = transformers.Llama4TextConfig(**COMMON, attention_chunk_size=64)
     chunked.layer_types = ["chunked_attention", "full_attention"]
     with pytest.raises(ValueError, match="chunked_attention"):
