@@ -30,6 +30,7 @@ layer, and then joins that memory."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -518,12 +519,25 @@ class EncoderMemory:
     window's keys and values join that memory. With exact memories a window's hidden states are
     those of attention over all the tokens read so far (block-causal over windows).
     Layers outside `layers` (default: all) attend their window only. `close()` frees the
-    memories."""
+    memories. A layer is its attention module's `layer_idx`, or where the modules carry none
+    (DistilBERT) its rank among the modules in the order they first attend (`layer_of`)."""
 
     def __init__(self, memory: MemoryFactory, *, layers: Iterable[int] | None = None) -> None:
         self.memory_factory = memory
         self.layers = None if layers is None else set(layers)
         self.memories: dict[int, AttentionMemory] = {}
+        self._unnamed: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+
+    def layer_of(self, module: torch.nn.Module) -> int:
+        """The layer whose memory `module` reads: its `layer_idx`, else the order in which the
+        modules without one first attended (a model's forward pass calls them layer by
+        layer)."""
+        layer_idx = getattr(module, "layer_idx", None)
+        if layer_idx is not None:
+            return layer_idx
+        if module not in self._unnamed:
+            self._unnamed[module] = len(self._unnamed)
+        return self._unnamed[module]
 
     @contextmanager
     def reading(self) -> Iterator[EncoderMemory]:
@@ -619,7 +633,7 @@ def rewa_attention(
                 "an encoder memory reads one unpadded window with full attention: no padding, "
                 "sliding window or sinks"
             )
-        return encoder.attend(layer_idx, query, key, value, scaling), None
+        return encoder.attend(encoder.layer_of(module), query, key, value, scaling), None
     return _exact(query, key, value, scaling, causal, window, sinks), None
 
 

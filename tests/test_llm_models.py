@@ -14,7 +14,7 @@ import torch
 import transformers
 from transformers.masking_utils import create_sliding_window_causal_mask
 
-from rewa.llm import RewaCache, enable, local_memories
+from rewa.llm import EncoderMemory, RewaCache, enable, local_memories
 
 TOKENS = 1200
 WINDOW = 100  # the models' sliding window, far shorter than the prompt
@@ -152,6 +152,27 @@ def test_a_tail_memory_under_sinks_keeps_the_argmax_of_eager_attention(tokens):
             assert cache.memory_layers[0].memory.n_tokens > TOKENS // 2
     agreement = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
     assert agreement >= 0.99
+
+
+def test_an_encoder_without_layer_indexes_has_a_memory_per_layer(tokens):
+    """DistilBERT's attention modules carry no `layer_idx`: `EncoderMemory` tells its layers
+    apart by the order they attend, so each has its own memory, and the first window (no
+    memory yet) is the model's own answer."""
+    config = transformers.DistilBertConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, hidden_dim=128
+    )
+    torch.manual_seed(0)
+    reference = transformers.DistilBertModel(config).eval()
+    model = transformers.DistilBertModel(copy.deepcopy(config)).eval()
+    model.load_state_dict(reference.state_dict())
+    enable(model)
+    windows = tokens[:, :160].split(40, dim=1)
+    with torch.no_grad():
+        expected = reference(input_ids=windows[0]).last_hidden_state
+        with EncoderMemory(local_memories(mode="exact")) as memory, memory.reading():
+            states = [model(input_ids=window).last_hidden_state for window in windows]
+            assert {layer: m.n_tokens for layer, m in memory.memories.items()} == {0: 160, 1: 160}
+    torch.testing.assert_close(states[0], expected, rtol=0, atol=1e-5)
 
 
 def test_what_the_integration_cannot_compute_is_refused(tokens):
