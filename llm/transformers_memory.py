@@ -592,10 +592,11 @@ def rewa_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The `"rewa"` attention implementation: query `(1, q_heads, m, d)`, the cache's keys and
-    values `(1, kv_heads, n, d)`; returns `((1, m, q_heads, dv), None)`. A layer with a
-    `sliding_window` attends that many latest positions exactly; `s_aux` (gpt-oss) are sinks
-    (`_sink_part`); what it cannot compute (logit soft-capping, a position bias) is refused."""
+    """The `"rewa"` attention implementation: query `(batch, q_heads, m, d)`, the cache's keys
+    and values `(batch, kv_heads, n, d)`; returns `((batch, m, q_heads, dv), None)`. A layer
+    with a `sliding_window` attends that many latest positions exactly; `s_aux` (gpt-oss) are
+    sinks (`_sink_part`); what it cannot compute (logit soft-capping, a position bias) is
+    refused."""
     layer = _CURRENT.get()
     _CURRENT.set(None)
     if attention_mask is not None:
