@@ -50,6 +50,7 @@ from rewa.clients import RemoteMemory
 from rewa.index import LocalMemory
 from rewa.index.growth import appended
 
+from .document import RemoteDocument
 from .exact import exact_part
 
 ATTENTION_NAME = "rewa"
@@ -460,6 +461,13 @@ class RewaCache(Cache):
         if sliding:
             raise ValueError(
                 f"layers {sliding} attend a sliding window: they keep only it, with no memory"
+            )
+        document = getattr(memory, "__self__", None)
+        if isinstance(document, RemoteDocument) and set(document.layers) != chosen:
+            raise ValueError(
+                f"the document holds layers {document.layers} and the cache spills layers "
+                f"{sorted(chosen)}: a document commits a spill once each of its layers made it, "
+                "so they must be the same"
             )
         super().__init__(
             layers=[

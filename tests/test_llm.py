@@ -590,7 +590,7 @@ def test_minilm_with_an_exact_memory_at_every_layer_is_block_causal_full_attenti
     bert.set_attn_implementation("sdpa")
 
 
-def test_a_document_refuses_a_second_sequence(models, tokens, server):
+def test_a_document_refuses_what_it_could_not_commit(models, tokens, server):
     model = models[1]
     with Client(server.url) as client:
         document = RemoteDocument(client, range(2), mode="exact")
@@ -598,6 +598,9 @@ def test_a_document_refuses_a_second_sequence(models, tokens, server):
         with torch.no_grad(), cache, pytest.raises(ValueError, match="one sequence"):
             model(tokens[:, :200].repeat(2, 1), past_key_values=cache)
         assert client.list_contexts() == []  # closing the cache deleted the document
+        # A document layer the cache never spills would hold back every commit.
+        with pytest.raises(ValueError, match="document holds layers"):
+            RewaCache(model.config, RemoteDocument(client, [0, 1]).memory, layers=[1])
 
 
 @pytest.mark.parametrize("mode", ["exact", "tail"])
