@@ -30,6 +30,7 @@ layer, and then joins that memory."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -98,12 +99,11 @@ _ENCODER: ContextVar[EncoderMemory | None] = ContextVar("rewa_encoder_memory", d
 
 
 class MemoryLayer(DynamicLayer):
-    """One sequence's cache in one layer: sinks and recent tokens in `keys`/`values`
+    """One sequence's cache in one layer (a `SequencesLayer` holds one per sequence, and answers
+    transformers' `Cache` for them): sinks and recent tokens in `keys`/`values`
     `(1, kv_heads, n_local, head_dim)`, older ones in `memory` (created at the first spill).
     Token positions: the sinks are `[0, sinks)`, the memory holds `[sinks, sinks + n_spilled)`,
     the recent tokens follow."""
-
-    is_croppable = False
 
     def __init__(
         self, layer_idx: int, memory_factory: MemoryFactory, *, window: int, sinks: int, spill: int
@@ -146,12 +146,6 @@ class MemoryLayer(DynamicLayer):
         """The first `n_local` rows of the buffers as `keys` and `values`."""
         self.keys = self._key_buffer[:, :n_local].unsqueeze(0)
         self.values = self._value_buffer[:, :n_local].unsqueeze(0)
-
-    def get_seq_length(self) -> int:
-        return self.n_seen
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.n_seen + query_length, 0
 
     def local_positions(self) -> torch.Tensor:
         """The sequence position of each local key."""
@@ -239,21 +233,6 @@ class MemoryLayer(DynamicLayer):
         self.is_initialized = False
         self.n_seen = self.n_spilled = 0
 
-    def reset(self) -> None:
-        self.close()
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a rewa memory layer cannot be cropped (tokens in memory stay there)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise ValueError("rewa memory holds one sequence: beam search is not supported")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise ValueError("rewa memory holds one sequence: batch size 1")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise ValueError("rewa memory holds one sequence: batch size 1")
-
 
 def _sink_part(
     sinks: torch.Tensor, like: torch.Tensor, group: int
@@ -283,7 +262,7 @@ def _without(buffer: torch.Tensor, moved: slice, used: int, spare: int) -> torch
     return buffer
 
 
-def _tokens(batch: int, positions: int, device: torch.device) -> torch.Tensor | None:
+def _token_mask(batch: int, positions: int, device: torch.device) -> torch.Tensor | None:
     """Which of the last `positions` positions hold tokens, per sequence `(batch, positions)`,
     from the padding of the forward pass under way (`_PADDING`); None where none is padding."""
     padding = _PADDING.get()
@@ -309,9 +288,9 @@ class SequencesLayer(DynamicLayer):
         self, layer_idx: int, memory_factory: MemoryFactory, *, window: int, sinks: int, spill: int
     ) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.memory_factory = memory_factory
-        self.window, self.sinks, self.spill = window, sinks, spill
+        self.new_sequence = functools.partial(
+            MemoryLayer, layer_idx, memory_factory, window=window, sinks=sinks, spill=spill
+        )
         self.sequences: list[MemoryLayer] = []
         self.n_positions = 0
         self._tokens: torch.Tensor | None = None  # the latest update's (batch, m), None: all
@@ -319,22 +298,13 @@ class SequencesLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         batch, m = key_states.shape[0], key_states.shape[-2]
         if not self.sequences:
-            self.sequences = [
-                MemoryLayer(
-                    self.layer_idx,
-                    self.memory_factory,
-                    window=self.window,
-                    sinks=self.sinks,
-                    spill=self.spill,
-                )
-                for _ in range(batch)
-            ]
+            self.sequences = [self.new_sequence() for _ in range(batch)]
             self.is_initialized = True
         if batch != len(self.sequences):
             raise ValueError(
                 f"a batch of {batch} sequences, where this cache holds {len(self.sequences)}"
             )
-        self._tokens = _tokens(batch, m, key_states.device)
+        self._tokens = _token_mask(batch, m, key_states.device)
         for b, sequence in enumerate(self.sequences):
             keys, values = key_states[b : b + 1], value_states[b : b + 1]
             if self._tokens is not None:
@@ -653,7 +623,7 @@ def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
     (`_PADDING`) unseen: `(batch, m, q_heads, dv)`."""
     if window is not None and not causal:
         raise ValueError("rewa attention supports causal sliding windows only")
-    tokens = _tokens(key.shape[0], key.shape[-2], key.device)
+    tokens = _token_mask(key.shape[0], key.shape[-2], key.device)
     if window is None and sinks is None and tokens is None:
         group = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(group, dim=1)
@@ -665,17 +635,19 @@ def _exact(query, key, value, scaling, causal: bool, window=None, sinks=None):
             query, key, value, attn_mask=allowed, scale=scaling
         )
         return out.transpose(1, 2)
+    per_sequence = [None] * query.shape[0] if tokens is None else tokens
     rows = [
-        _exact_blocks(query[b], key[b], value[b], scaling, causal, window, sinks, tokens, b)
-        for b in range(query.shape[0])
+        _exact_blocks(q, k, v, scaling, causal, window, sinks, t)
+        for q, k, v, t in zip(query, key, value, per_sequence, strict=True)
     ]
     return torch.stack(rows).to(query.dtype)
 
 
-def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks, tokens, b):
-    """`_exact` of sequence `b` (query `(q_heads, m, d)`, keys and values `(kv_heads, n, .)`),
-    `QUERY_BLOCK` queries at a time, each over the keys it can see (with a window, at most
-    `window + QUERY_BLOCK` of them): `(m, q_heads, dv)`, zeros where a query sees no token."""
+def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks, tokens):
+    """`_exact` of one sequence (query `(q_heads, m, d)`, keys and values `(kv_heads, n, .)`,
+    `tokens` `(n,)` which keys are tokens, None: all), `QUERY_BLOCK` queries at a time, each
+    over the keys it can see (with a window, at most `window + QUERY_BLOCK` of them):
+    `(m, q_heads, dv)`, zeros where a query sees no token."""
     q_heads, m, head_dim = query.shape
     kv_heads, n = keys.shape[0], keys.shape[1]
     group = q_heads // kv_heads
@@ -694,7 +666,7 @@ def _exact_blocks(query, keys, values, scaling, causal: bool, window, sinks, tok
             if window is not None:
                 visible &= seen > positions - window
         if tokens is not None:
-            real = tokens[b, low:high].unsqueeze(0)
+            real = tokens[low:high].unsqueeze(0)
             visible = real if visible is None else visible & real
         if visible is not None:
             visible = visible.expand(end - start, -1).repeat(group, 1)

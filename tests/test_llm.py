@@ -30,6 +30,7 @@ from rewa.llm import (
     remote_memories,
 )
 from rewa.llm.exact import SMALL_LOGITS, exact_part
+from tests.llm_support import assert_generates_each_alone, left_padded
 from tests.service_support import Server
 
 TOKENS = 4096
@@ -402,24 +403,13 @@ def test_a_tail_memory_at_two_percent_keeps_the_argmax_of_full_attention(
         client.close()
 
 
-def _left_padded(sequences: list[torch.Tensor], pad: int = 0):
-    """`(batch, longest)` token ids with each sequence at the right, and the attention mask."""
-    longest = max(sequence.shape[-1] for sequence in sequences)
-    ids = torch.full((len(sequences), longest), pad)
-    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        ids[row, longest - sequence.shape[-1] :] = sequence[0]
-        mask[row, longest - sequence.shape[-1] :] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("where", ["local", "http"])
 def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, tokens, server):
     """A memory per sequence, holding its tokens without the padding: every sequence's logits
     are those of full attention over it alone, and so are its greedy tokens."""
     reference, model = models
     sequences = [tokens[:, :1500], tokens[:, 1500:2600], tokens[:, 2600:3300]]
-    ids, mask = _left_padded(sequences)
+    ids, mask = left_padded(sequences)
     client = Client(server.url) if where == "http" else None
     memories = (
         local_memories(mode="exact") if client is None else remote_memories(client, mode="exact")
@@ -448,22 +438,8 @@ def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, toke
         assert client.list_contexts() == []
         client.close()
         return
-    with torch.no_grad():
-        expected = [
-            reference.generate(sequence, max_new_tokens=12, do_sample=False)[0, -12:]
-            for sequence in sequences
-        ]
-        with RewaCache(model.config, memories) as cache:
-            generated = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=12,
-                do_sample=False,
-                pad_token_id=0,
-                past_key_values=cache,
-            )
-    for row in range(len(sequences)):
-        assert torch.equal(generated[row, -12:], expected[row])
+    cache = RewaCache(model.config, memories)
+    assert_generates_each_alone(reference, model, cache, sequences, ids, mask, 12)
 
 
 def test_a_prefill_chunk_of_nothing_but_padding(models, tokens):
@@ -471,25 +447,11 @@ def test_a_prefill_chunk_of_nothing_but_padding(models, tokens):
     no token of any sequence, and every sequence still gets its greedy tokens alone."""
     reference, model = models
     sequences = [tokens[:, :600], tokens[:, 600:950]]
-    ids, mask = _left_padded([torch.zeros(1, 1024, dtype=torch.long), *sequences])
-    ids, mask = ids[1:], mask[1:]
-    with torch.no_grad():
-        expected = [
-            reference.generate(sequence, max_new_tokens=8, do_sample=False)[0, -8:]
-            for sequence in sequences
-        ]
-        with RewaCache(model.config, local_memories(mode="exact"), window=64, spill=32) as cache:
-            generated = model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=8,
-                do_sample=False,
-                pad_token_id=0,
-                prefill_chunk_size=256,
-                past_key_values=cache,
-            )
-    for row in range(len(sequences)):
-        assert torch.equal(generated[row, -8:], expected[row])
+    ids, mask = left_padded(sequences, length=1024)
+    cache = RewaCache(model.config, local_memories(mode="exact"), window=64, spill=32)
+    assert_generates_each_alone(
+        reference, model, cache, sequences, ids, mask, 8, prefill_chunk_size=256
+    )
 
 
 def test_sampled_sequences_of_one_prompt_have_a_memory_each(models, tokens):

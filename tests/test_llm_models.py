@@ -15,6 +15,7 @@ import transformers
 from transformers.masking_utils import create_sliding_window_causal_mask
 
 from rewa.llm import EncoderMemory, RewaCache, enable, local_memories
+from tests.llm_support import left_padded
 
 TOKENS = 1200
 WINDOW = 100  # the models' sliding window, far shorter than the prompt
@@ -126,11 +127,7 @@ def test_a_left_padded_batch_is_each_sequence_attended_alone(name, tokens):
     mask does, and the padding precedes every token, so a query sees the same tokens)."""
     reference, model = _pair(name)
     sequences = [tokens[:, :900], tokens[:, 900:1200]]
-    ids = torch.zeros(2, 900, dtype=torch.long)
-    mask = torch.zeros(2, 900, dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        ids[row, 900 - sequence.shape[-1] :] = sequence[0]
-        mask[row, 900 - sequence.shape[-1] :] = 1
+    ids, mask = left_padded(sequences)
     with torch.no_grad():
         with _cache(model, mode="exact") as cache:
             logits = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits
