@@ -31,8 +31,10 @@ layer, and then joins that memory."""
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -90,6 +92,12 @@ class AttentionMemory(Protocol):
 # (layer index, kv heads, head_dim, value_dim, logit scale) -> the layer's memory, whose logits
 # must be `scale * <q, k>` (the dot geometry with that scale).
 MemoryFactory = Callable[[int, int, int, int, float], AttentionMemory]
+# A block's grouped queries and the memory's answer for them: None (nothing spilled yet), a
+# remote memory's request under way, or `(out, lse)` (`MemoryLayer._ask_memory`).
+MemoryPart = Future | tuple[torch.Tensor, torch.Tensor] | None
+MemoryAnswer = tuple[torch.Tensor, MemoryPart]
+# Remote memories' attends in flight at once: a batch's sequences of one layer (one each).
+REQUEST_THREADS = 32
 
 _CURRENT: ContextVar[Any] = ContextVar("rewa_cache_layer", default=None)
 # The padding of the forward pass under way, `(batch, positions so far)` True where a token is
@@ -154,33 +162,68 @@ class MemoryLayer(DynamicLayer):
         return torch.cat([torch.arange(sinks), recent]).to(self.keys.device)
 
     def attend(
-        self, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        sinks: torch.Tensor | None = None,
+        asked: MemoryAnswer | None = None,
     ) -> torch.Tensor:
         """Attention of the newest `m` tokens' queries `(1, q_heads, m, head_dim)` over every
         token so far: `(1, m, q_heads, value_dim)` in the query's dtype. `sinks` `(q_heads,)`:
-        a logit per query head that takes part in the softmax with no value (`_sink_part`)."""
-        _, q_heads, m, head_dim = query.shape
-        kv_heads = self.keys.shape[1]
-        if q_heads % kv_heads:
-            raise ValueError(f"{q_heads} query heads do not share {kv_heads} key/value heads")
-        group = q_heads // kv_heads
+        a logit per query head that takes part in the softmax with no value (`_sink_part`).
+        `asked`: what `ask` returned for these queries (their memory part already under way)."""
+        _, q_heads, m, _ = query.shape
+        group = self._group(q_heads)
         first = self.n_seen - m
         outs = []
         for start in range(first, self.n_seen, self.spill):
             end = min(start + self.spill, self.n_seen)
-            self._spill_before(start, scaling)
-            block = query[0, :, start - first : end - first].float()
-            # Grouped heads: kv head h answers query heads h * group ... (h + 1) * group - 1.
-            grouped = block.reshape(kv_heads, group * (end - start), head_dim)
+            block = query[0, :, start - first : end - first]
+            if asked is None:
+                self._spill_before(start, scaling)
+                grouped, memory_part = self._ask_memory(block, group)
+            else:
+                grouped, memory_part = asked
+            # The local part is computed while a remote memory's answer is on its way.
             parts = [self._local_attention(grouped, start, end, scaling)]
-            if self.n_spilled:
-                out, lse = self.memory.attend(grouped)
-                parts.append((out.to(grouped.device), lse.to(grouped.device)))
+            if memory_part is not None:
+                parts.append(_memory_answer(memory_part, grouped.device))
             if sinks is not None:
                 parts.append(_sink_part(sinks, parts[0][0], group))
             out, _ = merge_attention(*parts)
             outs.append(out.reshape(q_heads, end - start, -1))
         return torch.cat(outs, dim=1).transpose(0, 1).unsqueeze(0).to(query.dtype)
+
+    def ask(self, query: torch.Tensor, scaling: float) -> MemoryAnswer | None:
+        """Start the memory part of `attend(query, ...)` for queries of at most `spill` tokens
+        (one block: a decode step): spill what is due and ask the memory, on a request thread
+        when it is remote (`_ask_memory`); `attend(..., asked=)` takes the answer. None for
+        more tokens, whose blocks spill between them (`attend` asks for each in turn)."""
+        _, q_heads, m, _ = query.shape
+        if m > self.spill:
+            return None
+        self._spill_before(self.n_seen - m, scaling)
+        return self._ask_memory(query[0], self._group(q_heads))
+
+    def _group(self, q_heads: int) -> int:
+        """Query heads per key/value head."""
+        kv_heads = self.keys.shape[1]
+        if q_heads % kv_heads:
+            raise ValueError(f"{q_heads} query heads do not share {kv_heads} key/value heads")
+        return q_heads // kv_heads
+
+    def _ask_memory(self, block: torch.Tensor, group: int) -> MemoryAnswer:
+        """A block's queries `(q_heads, n, head_dim)` grouped by key/value head (kv head h
+        answers query heads h * group ... (h + 1) * group - 1), and the memory's answer for
+        them: None before the first spill, a `Future` for a `RemoteMemory` (its request runs on
+        `_requests()`; nothing else of the layer does), else `(out, lse)`."""
+        kv_heads, n, head_dim = self.keys.shape[1], block.shape[1], block.shape[2]
+        grouped = block.float().reshape(kv_heads, group * n, head_dim)
+        if not self.n_spilled:
+            return grouped, None
+        if isinstance(self.memory, RemoteMemory):
+            return grouped, _requests().submit(self.memory.attend, grouped)
+        return grouped, self.memory.attend(grouped)
 
     def _local_attention(self, grouped, start, end, scaling):
         """Exact causal attention of grouped queries, those of the tokens `[start, end)` of each
@@ -232,6 +275,25 @@ class MemoryLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         self.is_initialized = False
         self.n_seen = self.n_spilled = 0
+
+
+@functools.cache
+def _requests() -> ThreadPoolExecutor:
+    """The threads that send remote memories' attends, so that the sequences of a batch wait
+    for their answers together and a layer computes its local part meanwhile. They run the
+    client's HTTP request only, no PyTorch operation of the model's size (two threads' PyTorch
+    thread pools slow each other down: docs/benchmark-notes.md, "Two threads running
+    PyTorch"). A forked child makes its own (the parent's threads do not exist in it)."""
+    return ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="rewa-memory-request")
+
+
+os.register_at_fork(after_in_child=_requests.cache_clear)
+
+
+def _memory_answer(part: MemoryPart, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of a memory part (`MemoryPart`, not None) on `device`."""
+    out, lse = part.result() if isinstance(part, Future) else part
+    return out.to(device), lse.to(device)
 
 
 def _sink_part(
@@ -324,13 +386,22 @@ class SequencesLayer(DynamicLayer):
         zeros at padding."""
         if self._tokens is None and len(self.sequences) == 1:
             return self.sequences[0].attend(query, scaling, sinks)
+        queries = [
+            query[b : b + 1, :, slice(None) if self._tokens is None else self._tokens[b]]
+            for b in range(len(self.sequences))
+        ]
+        # Every sequence's memory is asked before any answer is awaited: remote memories'
+        # requests are then in flight together, not one round trip after another.
+        asked = [
+            sequence.ask(sequence_queries, scaling) if sequence_queries.shape[-2] else None
+            for sequence, sequence_queries in zip(self.sequences, queries, strict=True)
+        ]
         out = None
         for b, sequence in enumerate(self.sequences):
             tokens = slice(None) if self._tokens is None else self._tokens[b]
-            queries = query[b : b + 1, :, tokens]
-            if queries.shape[-2] == 0:
+            if queries[b].shape[-2] == 0:
                 continue
-            answer = sequence.attend(queries, scaling, sinks)[0]
+            answer = sequence.attend(queries[b], scaling, sinks, asked[b])[0]
             if out is None:
                 shape = (query.shape[0], query.shape[2], query.shape[1], answer.shape[-1])
                 out = answer.new_zeros(shape)

@@ -442,6 +442,43 @@ def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, toke
     assert_generates_each_alone(reference, model, cache, sequences, ids, mask, 12)
 
 
+class _MeetingMemory(RemoteMemory):
+    """A remote memory whose decode-step attends (a query per query head) wait until as many
+    memories as `meeting` counts are in one at the same time."""
+
+    meeting: threading.Barrier | None = None
+
+    def attend(self, queries):
+        if self.meeting is not None and queries.shape[1] <= 2:  # 4 query heads on 2 kv heads
+            self.meeting.wait(timeout=20)
+        return super().attend(queries)
+
+
+def test_a_batch_asks_its_sequences_remote_memories_at_once(models, tokens, server):
+    """In a decode step, every sequence's remote memory is asked before any answer is awaited:
+    their requests are in flight together (one after another, the first would wait for the
+    others in vain), and the tokens are each sequence's own."""
+    reference, model = models
+    sequences = [tokens[:, :1500], tokens[:, 1500:2600], tokens[:, 2600:3300]]
+    ids, mask = left_padded(sequences)
+    client = Client(server.url)
+
+    def meeting_memories(layer, heads, head_dim, value_dim, scale):
+        geometry = {"name": "dot", "scale": scale}
+        return _MeetingMemory.create(
+            client, heads, head_dim, value_dim=value_dim, geometry=geometry, mode="exact"
+        )
+
+    cache = RewaCache(model.config, meeting_memories, window=64, spill=32)
+    _MeetingMemory.meeting = threading.Barrier(len(sequences))
+    try:
+        assert_generates_each_alone(reference, model, cache, sequences, ids, mask, 4)
+    finally:
+        _MeetingMemory.meeting = None
+    assert client.list_contexts() == []
+    client.close()
+
+
 def test_a_prefill_chunk_of_nothing_but_padding(models, tokens):
     """A batch padded beyond its longest sequence, prefilled in chunks: the first chunk holds
     no token of any sequence, and every sequence still gets its greedy tokens alone."""
