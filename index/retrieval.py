@@ -190,11 +190,31 @@ def retrieval_attention(
     if positions is None:
         positions = query_positions(q.shape[0], k.shape[0], q.device)
     if supports_ivf_blocks(index) and window == 0 and sinks == 0:
+        if top_k is None and _probes_every_list(index):
+            return _every_key_attention(q, k, v, geometry, positions if causal else None)
         return _ivf_list_attention(q, k, v, geometry, index, top_k, positions if causal else None)
     return _candidate_attention(
         q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window, sinks=sinks,
         causal=causal, positions=positions, query_block=query_block,
     )  # fmt: skip
+
+
+def _probes_every_list(index: GeometryIndex) -> bool:
+    """Whether every query probes every list of a single-lift IVF index (`nprobe` at least its
+    lists: a context of fewer than 2304 keys at the defaults)."""
+    ivf = index.parts[0].index
+    return ivf.nprobe >= ivf.nlist
+
+
+def _every_key_attention(q, k, v, geometry, positions):
+    """`retrieval_attention` where every list is probed: exact attention over every key
+    (`dense_attention`; with `positions`, causal), which the probed lists would give less their
+    least massive lists (`IndexSettings.probe_mass`), at a fraction of the cost (docs/
+    indexes.md, "Every list probed")."""
+    mask = None
+    if positions is not None:
+        mask = torch.arange(k.shape[0], device=k.device) <= positions.unsqueeze(-1)
+    return dense_attention(q, k, v, geometry, mask)
 
 
 def _ivf_list_attention(q, k, v, geometry, index, top_k, positions):

@@ -40,3 +40,18 @@ FUSED = [
     ("random_features", {}),
     ("operator", {}),
 ]
+
+
+def ivf_list_attention(q, v, geometry, index, *, k=None, positions=None):
+    """Attention over every key of the IVF lists each query probes (`ivf_block_attention`),
+    in the inputs' space, as `retrieval_attention` computes it where queries probe some of the
+    lists; called directly because where they probe every list `retrieval_attention` answers
+    with dense attention instead. `k`: keys whose fresh witnesses are scored (for gradients to
+    them or to the geometry); `positions`: causal."""
+    from rewa.index.ivf_blocks import ivf_block_attention
+
+    keys_w = None if k is None else geometry.witness(k)
+    out, lse = ivf_block_attention(
+        index, geometry.witness(q), v, keys_w=keys_w, positions=positions
+    )
+    return geometry.output_map(out), lse

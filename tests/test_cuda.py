@@ -11,7 +11,7 @@ import torch
 
 from rewa.attention import cuda_kernel, dense_attention
 from rewa.index import KeyClusters, build_index, retrieval_attention, tail_attention_with_reads
-from tests.support import FUSED, build_geometry
+from tests.support import FUSED, build_geometry, ivf_list_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -155,16 +155,19 @@ def test_ivf_lists_trained_on_cuda_attend_as_on_the_cpu(name, causal, top_k):
     k = torch.randn(3000, 16, generator=generator) * 0.3
     v = torch.randn(3000, 8, generator=generator)
     options = {"nlist": 12, "nprobe": 12, "probe_mass": 0.0}
+
+    def attention(k, v, g, index):
+        if top_k is None:  # the lists read (retrieval_attention would answer densely)
+            positions = torch.arange(len(k), device=k.device) if causal else None
+            return ivf_list_attention(k, v, g, index, positions=positions)
+        return retrieval_attention(k, k, v, g, top_k=top_k, index=index, causal=causal)
+
     with torch.no_grad():
-        expected = retrieval_attention(
-            k, k, v, g, top_k=top_k, index=build_index(k, g, "ivf", **options), causal=causal
-        )
+        expected = attention(k, v, g, build_index(k, g, "ivf", **options))
         g_cuda = g.to(CUDA)
         k_cuda, v_cuda = k.to(CUDA), v.to(CUDA)
         index = build_index(k_cuda, g_cuda, "ivf", **options)
-        out, lse = retrieval_attention(
-            k_cuda, k_cuda, v_cuda, g_cuda, top_k=top_k, index=index, causal=causal
-        )
+        out, lse = attention(k_cuda, v_cuda, g_cuda, index)
     assert sum(len(ids) for ids in index.parts[0].lists(CUDA)) == 3000
     torch.testing.assert_close(out.cpu(), expected[0], **F32)
     torch.testing.assert_close(lse.cpu(), expected[1], **F32)

@@ -28,7 +28,7 @@ from rewa.index import (
 )
 from rewa.index import faiss_index as faiss_module
 from rewa.index import lsh as lsh_module
-from tests.support import build_geometry
+from tests.support import build_geometry, ivf_list_attention
 
 N = 8192
 K = 64
@@ -326,11 +326,15 @@ def test_ivf_blocks_over_every_list_are_exact(name, causal, top_k):
     x = torch.randn(300, 8, dtype=torch.float64) * 0.5
     v = torch.randn(300, 3, dtype=torch.float64)
     index = build_index(x, g, "ivf", nlist=5, nprobe=5, probe_mass=0.0)
-    out, lse = retrieval_attention(x, x, v, g, top_k=None, index=index, causal=causal)
+    positions = torch.arange(300) if causal else None
     allowed = torch.ones(300, 300, dtype=torch.bool).tril() if causal else None
     expected_out, expected_lse = dense_attention(x, x, v, g, mask=allowed)
-    torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
-    torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
+    for out, lse in (
+        ivf_list_attention(x, v, g, index, positions=positions),
+        retrieval_attention(x, x, v, g, top_k=None, index=index, causal=causal),  # dense
+    ):
+        torch.testing.assert_close(out, expected_out, rtol=1e-7, atol=1e-7)
+        torch.testing.assert_close(lse, expected_lse, rtol=1e-7, atol=1e-7)
 
     # 100 is more than a list holds (5 lists of 300 keys): the lists' short rows are padded.
     out, lse = retrieval_attention(x, x, v, g, top_k=top_k, index=index, causal=causal)
@@ -343,6 +347,36 @@ def test_ivf_blocks_over_every_list_are_exact(name, causal, top_k):
     # Blocks and the dense reference round differently, which can swap a near-tie at rank 12.
     torch.testing.assert_close(out, expected_out, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_where_every_list_is_probed_retrieval_is_dense_attention(monkeypatch, causal):
+    """At the defaults, fewer than 2304 keys make at most 8 IVF lists, all probed: the answer is
+    exact attention over every key, computed densely (the lists are not read), where the probed
+    lists would leave out the least massive lists' keys (`probe_mass`)."""
+    from rewa.index import retrieval as retrieval_module
+
+    def read_lists(*args, **kwargs):
+        raise AssertionError("the IVF lists were read")
+
+    g = make_geometry("dot", 16)
+    generator = torch.Generator().manual_seed(2)
+    k = torch.randn(2000, 16, generator=generator)
+    v = torch.randn(2000, 4, generator=generator)
+    q = 3 * torch.randn(2000, 16, generator=generator)
+    index = build_index(k, g, "ivf")
+    assert index.parts[0].index.nlist == 7
+    expected = dense_attention(q, k, v, g, causal=causal)
+    lists = ivf_list_attention(q, v, g, index, positions=torch.arange(2000) if causal else None)
+    assert (lists[0] - expected[0]).abs().max() > 1e-6  # the probed lists leave some mass out
+    monkeypatch.setattr(retrieval_module, "ivf_block_attention", read_lists)
+    for built in ("ivf", index):
+        out, lse = retrieval_attention(q, k, v, g, index=built, causal=causal)
+        torch.testing.assert_close(out, expected[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(lse, expected[1], rtol=1e-6, atol=1e-6)
+    # fewer lists probed than there are: the lists are read
+    with pytest.raises(AssertionError, match="were read"):
+        retrieval_attention(q, k, v, g, index=build_index(k, g, "ivf", nprobe=6), causal=causal)
 
 
 def test_ivf_block_attention_reads_only_probed_lists():
@@ -534,7 +568,10 @@ def test_retrieval_gradients_match_dense_when_every_list_is_probed(top_k):
     k = (torch.randn(120, 6, dtype=torch.float64) * 0.5).requires_grad_()
     v = torch.randn(120, 2, dtype=torch.float64, requires_grad=True)
     index = build_index(k.detach(), g, "ivf", nlist=4, nprobe=4)
-    out, lse = retrieval_attention(q, k, v, g, top_k=top_k, index=index)
+    if top_k is None:
+        out, lse = ivf_list_attention(q, v, g, index, k=k)
+    else:
+        out, lse = retrieval_attention(q, k, v, g, top_k=top_k, index=index)
     grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v))
     mask = None
     if top_k is not None:
@@ -554,7 +591,10 @@ def test_a_trainable_geometry_gets_dense_gradients_through_ivf_lists(top_k):
     x = torch.randn(120, 6, dtype=torch.float64) * 0.5
     v = torch.randn(120, 2, dtype=torch.float64)
     index = build_index(x, g, "ivf", nlist=4, nprobe=4)
-    out, lse = retrieval_attention(x[:40], x, v, g, top_k=top_k, index=index)
+    if top_k is None:
+        out, lse = ivf_list_attention(x[:40], v, g, index, k=x)
+    else:
+        out, lse = retrieval_attention(x[:40], x, v, g, top_k=top_k, index=index)
     grads = torch.autograd.grad(out.square().sum() + lse.sum(), list(g.parameters()))
     mask = None
     if top_k is not None:
