@@ -202,8 +202,8 @@ class LiftIndex:
         self.radius = None
         if self._should_augment(prefix):
             self.radius = prefix.square().sum(-1).max().sqrt().item()
-        if self.settings.kind == "ivf" and kmeans.on_device(vectors, self.device):
-            self._add_trained_on_device(vectors, len(prefix))
+        if self.settings.kind == "ivf" and self.device == "cpu":
+            self._add_trained_in_pytorch(vectors, len(prefix))
             return
         x = self._keys(vectors)
         index = self._build(x.shape[1], len(prefix))
@@ -215,16 +215,19 @@ class LiftIndex:
         self.index = index
         self._lists, self._layouts = None, {}
 
-    def _add_trained_on_device(self, vectors: torch.Tensor, n_trained: int) -> None:
-        """`add` for IVF with the k-means and the assignment of every key computed in PyTorch
-        on the vectors' device (as FAISS's IVF training does them: the same sample size,
-        iterations and seed), then handed to a CPU FAISS index as its centroids and lists."""
+    def _add_trained_in_pytorch(self, vectors: torch.Tensor, n_trained: int) -> None:
+        """`add` for a CPU FAISS IVF index, with the k-means and the assignment of every key
+        computed in PyTorch on the vectors' device (`index/kmeans.py`, as FAISS's IVF training
+        does them: the same sample size, iterations, seed and spherical centroids for the
+        inner product), then handed to FAISS as its centroids and lists. On a GPU that FAISS
+        cannot use this keeps the keys there; on the CPU it trains and assigns faster than
+        FAISS (docs/indexes.md, "IVF lists trained in PyTorch")."""
         x = self._augmented(vectors.detach().to(torch.float32))
         index = self._build(x.shape[1], n_trained)
         metric = "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
         centroids = kmeans.kmeans(
             x[:n_trained], index.nlist, index.cp.niter, index.cp.seed,
-            self.settings.train_points_per_list, metric,
+            self.settings.train_points_per_list, metric, index.cp.spherical,
         )  # fmt: skip
         index.quantizer.add(_as_faiss(centroids))
         index.is_trained = True
@@ -244,8 +247,22 @@ class LiftIndex:
             raise RuntimeError("LiftIndex.extend before add()")
         if vectors.shape[0] == 0:
             return
-        self.index.add(self._keys(vectors))
+        if self.settings.kind == "ivf" and self.device == "cpu":
+            self._extend_assigned_in_pytorch(vectors)
+        else:
+            self.index.add(self._keys(vectors))
         self._lists, self._layouts = None, {}
+
+    def _extend_assigned_in_pytorch(self, vectors: torch.Tensor) -> None:
+        """`extend` for a CPU FAISS IVF index: each new key joins the list `add` would give it
+        (`kmeans.nearest` against the index's centroids), so that an extended index is the
+        index built over every key, to the last near tie."""
+        x = self._augmented(vectors.detach().to(torch.float32))
+        ivf = faiss.extract_index_ivf(self.index)
+        centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist)).to(x.device)
+        metric = "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
+        labels = kmeans.nearest(x, centroids, metric)
+        add_preassigned(ivf, _as_faiss(x), labels.cpu().numpy())
 
     def lists(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """The ids in each IVF list on `device` (computed once per device from the coarse

@@ -57,6 +57,7 @@ def test_nearest_is_the_brute_force_assignment(metric, monkeypatch):
     points = torch.randn(1000, 5, generator=generator)
     centroids = torch.randn(17, 5, generator=generator)
     monkeypatch.setattr(kmeans, "ASSIGN_ELEMENTS", 17 * 64)  # 16 blocks of 64 points
+    monkeypatch.setattr(kmeans, "CPU_BLOCK_ELEMENTS", 17 * 64)  # the same on the CPU
     got = kmeans.nearest(points, centroids, metric)
     if metric == "l2":
         expected = torch.cdist(points.double(), centroids.double()).argmin(-1)
@@ -78,12 +79,12 @@ def test_on_device_needs_cuda_points_and_a_cpu_faiss():
 
 
 @pytest.mark.parametrize("metric", ["l2", "ip"])
-def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric, monkeypatch):
-    """The GPU path of `LiftIndex.add` (forced here on the CPU): FAISS holds the PyTorch
-    centroids and each key in the list of its nearest one, `lists()` answers the same lists
-    before and after they are read back from FAISS, and search finds each key itself."""
+def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric):
+    """`LiftIndex.add` for a CPU FAISS IVF index (on the CPU, or for keys on a GPU that FAISS
+    cannot use): FAISS holds the PyTorch centroids and each key in the list of its nearest
+    one, `lists()` answers the same lists before and after they are read back from FAISS, and
+    search finds each key itself."""
     points, _, _ = blobs(n_centres=16, per_centre=100, d=8)
-    monkeypatch.setattr(kmeans, "on_device", lambda vectors, device: True)
     lift = LiftIndex(metric, IndexSettings(kind="ivf", nlist=16, nprobe=16))
     lift.add(points)
     on_device = lift.lists()
@@ -113,6 +114,21 @@ def test_an_ivf_index_trained_in_pytorch_is_a_faiss_index_of_its_lists(metric, m
         assert torch.equal(found[:, 0], torch.arange(50))
 
 
+def test_inner_product_cells_are_spherical_as_faiss_trains_them():
+    """FAISS trains an inner-product IVF index with centroids of unit norm (a cell is a
+    direction, not pulled towards the longest keys); the PyTorch training does the same."""
+    points, _, _ = blobs(n_centres=16, per_centre=100, d=8)
+    points = points * torch.linspace(0.5, 2.0, len(points)).unsqueeze(-1)  # spread norms
+    lift = LiftIndex("ip", IndexSettings(kind="ivf", nlist=16, ip_as_l2=False))
+    lift.add(points)
+    ivf = faiss.extract_index_ivf(lift.index)
+    assert ivf.cp.spherical
+    norms = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist)).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones(16))
+    means = kmeans.kmeans(points, 16, iterations=5, seed=0, metric="ip")
+    assert (means.norm(dim=-1) - 1).abs().max() > 0.5  # plain means without `spherical`
+
+
 def test_retrieval_over_an_index_trained_in_pytorch_matches_faiss_training(monkeypatch):
     """Sparse attention through lists trained in PyTorch reads as many of the true neighbours
     as through lists trained by FAISS."""
@@ -120,11 +136,21 @@ def test_retrieval_over_an_index_trained_in_pytorch_matches_faiss_training(monke
     from rewa.index import exact_topk, retrieval_attention, topk_recall
     from rewa.index.ivf_blocks import probed_keys
 
+    def trained_by_faiss(self, vectors, n_trained):  # what `add` did before
+        keys = self._keys(vectors)
+        index = self._build(keys.shape[1], n_trained)
+        index.train(keys[:n_trained])
+        index.add(keys)
+        self.index, self._lists, self._layouts = index, None, {}
+
     data = clustered(8192)
     g = data.geometry()
-    faiss_trained = build_index(data.k, g, "ivf")
-    monkeypatch.setattr(kmeans, "on_device", lambda vectors, device: True)
     torch_trained = build_index(data.k, g, "ivf")
+    monkeypatch.setattr(LiftIndex, "_add_trained_in_pytorch", trained_by_faiss)
+    faiss_trained = build_index(data.k, g, "ivf")
+    assert not torch.equal(
+        *(index.parts[0].list_layout()[1] for index in (faiss_trained, torch_trained))
+    )
     queries = data.q[:256]
     with torch.no_grad():
         qw = g.witness(queries)
