@@ -459,7 +459,7 @@ def test_a_batch_asks_its_sequences_remote_memories_at_once(models, tokens, serv
     their requests are in flight together (one after another, the first would wait for the
     others in vain), and the tokens are each sequence's own."""
     reference, model = models
-    sequences = [tokens[:, :1500], tokens[:, 1500:2600], tokens[:, 2600:3300]]
+    sequences = [tokens[:, :400], tokens[:, 400:700], tokens[:, 700:900]]
     ids, mask = left_padded(sequences)
     client = Client(server.url)
 
