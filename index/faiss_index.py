@@ -196,8 +196,9 @@ class LiftIndex:
     def add(self, vectors: torch.Tensor) -> None:
         """Index `(n, dim)` vectors, replacing earlier content. IVF trains on the first
         `trained_prefix(n)` of them (and an inner-product lift decides its augmentation there),
-        so `add(x[:m])` then `extend(x[m:])` builds the same index as `add(x)`. IVF over vectors
-        on a GPU that FAISS cannot use trains and assigns there (`kmeans`)."""
+        so `add(x[:m])` then `extend(x[m:])` builds the same index as `add(x)`. IVF with a CPU
+        FAISS index trains and assigns in PyTorch on the vectors' device (`kmeans`,
+        `_add_trained_in_pytorch`); a GPU build of FAISS trains on its GPU."""
         prefix = vectors[: trained_prefix(vectors.shape[0])].detach().to("cpu", torch.float32)
         self.radius = None
         if self._should_augment(prefix):
@@ -240,8 +241,9 @@ class LiftIndex:
         self._layouts = {vectors.device: (order, sizes)}  # `list_layout`, already at hand
 
     def extend(self, vectors: torch.Tensor) -> None:
-        """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF)
-        or inserted (flat, HNSW); the caller retrains with `add` when the trained prefix moves
+        """Append `(m, dim)` vectors to a built index: each is assigned to the trained cells (IVF,
+        as `add` assigns: `_extend_assigned_in_pytorch` with a CPU FAISS index) or inserted
+        (flat, HNSW); the caller retrains with `add` when the trained prefix moves
         (`growth.retrains`)."""
         if self.index is None:
             raise RuntimeError("LiftIndex.extend before add()")
