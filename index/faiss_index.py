@@ -159,6 +159,10 @@ class LiftIndex:
             return faiss.METRIC_L2
         return faiss.METRIC_INNER_PRODUCT
 
+    def _kmeans_metric(self) -> str:
+        """The metric `index/kmeans.py` trains and assigns with, FAISS's for this lift."""
+        return "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
+
     def _keys(self, vectors: torch.Tensor) -> np.ndarray:
         """Key vectors as FAISS takes them (augmented with the radius already decided)."""
         return _as_faiss(self._augmented(vectors.detach().to("cpu", torch.float32)))
@@ -225,7 +229,7 @@ class LiftIndex:
         FAISS (docs/indexes.md, "IVF lists trained in PyTorch")."""
         x = self._augmented(vectors.detach().to(torch.float32))
         index = self._build(x.shape[1], n_trained)
-        metric = "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
+        metric = self._kmeans_metric()
         centroids = kmeans.kmeans(
             x[:n_trained], index.nlist, index.cp.niter, index.cp.seed,
             self.settings.train_points_per_list, metric, index.cp.spherical,
@@ -262,8 +266,7 @@ class LiftIndex:
         x = self._augmented(vectors.detach().to(torch.float32))
         ivf = faiss.extract_index_ivf(self.index)
         centroids = torch.from_numpy(ivf.quantizer.reconstruct_n(0, ivf.nlist)).to(x.device)
-        metric = "l2" if self._faiss_metric() == faiss.METRIC_L2 else "ip"
-        labels = kmeans.nearest(x, centroids, metric)
+        labels = kmeans.nearest(x, centroids, self._kmeans_metric())
         add_preassigned(ivf, _as_faiss(x), labels.cpu().numpy())
 
     def lists(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:

@@ -386,10 +386,11 @@ class SequencesLayer(DynamicLayer):
         zeros at padding."""
         if self._tokens is None and len(self.sequences) == 1:
             return self.sequences[0].attend(query, scaling, sinks)
-        queries = [
-            query[b : b + 1, :, slice(None) if self._tokens is None else self._tokens[b]]
+        tokens = [
+            slice(None) if self._tokens is None else self._tokens[b]
             for b in range(len(self.sequences))
         ]
+        queries = [query[b : b + 1, :, tokens[b]] for b in range(len(self.sequences))]
         # Every sequence's memory is asked before any answer is awaited: remote memories'
         # requests are then in flight together, not one round trip after another.
         asked = [
@@ -398,14 +399,13 @@ class SequencesLayer(DynamicLayer):
         ]
         out = None
         for b, sequence in enumerate(self.sequences):
-            tokens = slice(None) if self._tokens is None else self._tokens[b]
             if queries[b].shape[-2] == 0:
                 continue
             answer = sequence.attend(queries[b], scaling, sinks, asked[b])[0]
             if out is None:
                 shape = (query.shape[0], query.shape[2], query.shape[1], answer.shape[-1])
                 out = answer.new_zeros(shape)
-            out[b, tokens] = answer
+            out[b, tokens[b]] = answer
         if out is None:  # nothing but padding
             value_dim = self.sequences[0].values.shape[-1]
             return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value_dim)
