@@ -19,7 +19,8 @@ attention function: the data set's geometry for rewa; dot-product attention for 
 faiss-knn; reformer's own shared-QK function (queries attend to normalised copies of the
 sequence, attention to self masked) for reformer. `dense_entropy` is the median entropy (nats)
 of the data set's exact dense attention rows. Recall fields are null where a method exposes no
-candidate set (reformer).
+candidate set (reformer). Each method runs once per size; Numba's one-time load for the IVF
+shortlist is paid before the first (docs/indexes.md, "The probes' shortlist").
 
     .venv/bin/python benchmarks/sparse.py                  # N in 8192, 32768, 131072
     .venv/bin/python benchmarks/sparse.py --sizes 8192 --out /tmp/sparse
@@ -50,6 +51,7 @@ from rewa.index import (
     build_index,
     dense_entropy,
     exact_topk,
+    largest,
     mass_recall,
     output_error,
     retrieval_attention,
@@ -138,6 +140,10 @@ METHODS: dict[str, Callable] = {
 
 
 def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
+    # The compiled shortlist's one-time load (Numba, about 0.75 s per process) is paid here, as
+    # a long-lived process pays it once, not by the first run it would serve
+    # (docs/indexes.md, "The probes' shortlist").
+    largest.compile_ahead((np.float32,))
     records = []
     for dataset in datasets:
         for n in sizes:

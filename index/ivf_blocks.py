@@ -33,6 +33,7 @@ from rewa.attention import Geometry, merge_attention, merge_stacked
 from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import softmax_attend
 
+from . import largest
 from .block_scoring import block_scorer
 from .clusters import key_features, query_features
 from .faiss_index import GeometryIndex, LiftIndex, faiss
@@ -123,12 +124,18 @@ def prepare_list_moments(index: object) -> None:
 
 def shortlist(moments: ListMoments, a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` non-empty lists whose keys' mean features have the largest inner product with
-    each query's feature block `a`: `(products, lists)`, both `(nq, k)`. FAISS's flat search
-    where the queries are on the CPU (a matrix product and a heap, faster there than
-    `torch.topk` over every list), torch's top k on another device."""
-    if a.device.type == "cpu":
+    each query's feature block `a`: `(products, lists)`, both `(nq, k)`, largest first. On the
+    CPU a matrix product and each row's k largest by a compiled loop (`largest.row_largest`)
+    where there are at least `largest.MIN_GROUP` lists per shortlisted one, else FAISS's flat
+    search (a matrix product and a heap per query, faster there than `torch.topk`); torch's
+    top k on another device (docs/indexes.md, "The probes' shortlist")."""
+    if a.device.type != "cpu":
+        return shortlist_torch(moments, a, k)
+    nonempty = moments.nonempty
+    if not largest.applies(k, len(nonempty), a.dtype):
         return shortlist_faiss(moments, a, k)
-    return shortlist_torch(moments, a, k)
+    products, found = largest.row_largest(a @ moments.mean[nonempty].T, k)
+    return products, nonempty[found]
 
 
 def shortlist_faiss(moments: ListMoments, a: torch.Tensor, k: int):

@@ -437,23 +437,31 @@ def test_the_list_layout_is_the_lists_end_to_end_made_once_per_set_of_keys():
     assert torch.equal(ids.sort().values, torch.arange(6000)) and int(sizes.sum()) == 6000
 
 
-def test_the_shortlist_is_the_lists_of_largest_mean_product_by_faiss_and_by_torch():
-    """FAISS's search (the CPU path) and torch's top k (other devices) shortlist the same
-    non-empty lists with the same products, the exact ones of the lists' mean features."""
+@pytest.mark.parametrize("nlist", [40, 200])
+def test_the_shortlist_is_the_lists_of_largest_mean_product_on_every_path(nlist):
+    """The CPU's shortlist (FAISS's search with 40 lists, the compiled selection with 200),
+    FAISS's search and torch's top k (other devices) shortlist the same non-empty lists with
+    the same products, the exact ones of the lists' mean features, largest first."""
+    from rewa.index import largest
     from rewa.index.clusters import query_features
-    from rewa.index.ivf_blocks import list_moments, shortlist_faiss, shortlist_torch
+    from rewa.index.ivf_blocks import list_moments, shortlist, shortlist_faiss, shortlist_torch
 
     g = build_geometry("poincare", 8)
-    x = torch.randn(3000, 8) * 0.3
-    index = build_index(x, g, "ivf", nlist=40)
+    x = torch.randn(6000, 8) * 0.3
+    index = build_index(x, g, "ivf", nlist=nlist)
     moments = list_moments(index)
     moments.counts[3] = 0  # a list without keys is never shortlisted
-    a = query_features(g.lift(g.witness(torch.randn(200, 8) * 0.3), "query")).a
-    by_faiss, by_torch = shortlist_faiss(moments, a, 12), shortlist_torch(moments, a, 12)
+    a = query_features(g.lift(g.witness(torch.randn(2500, 8) * 0.3), "query")).a
+    assert largest.applies(12, len(moments.nonempty), a.dtype) == (nlist == 200)
     expected = (a @ moments.mean.T).index_fill_(-1, torch.tensor([3]), -torch.inf).topk(12)
-    for products, lists in (by_faiss, by_torch):
+    for products, lists in (
+        shortlist(moments, a, 12),
+        shortlist_faiss(moments, a, 12),
+        shortlist_torch(moments, a, 12),
+    ):
         torch.testing.assert_close(products, expected.values, rtol=1e-5, atol=1e-5)
-        assert (lists.sort(-1).values == expected.indices.sort(-1).values).all()
+        assert (lists == expected.indices).float().mean() > 0.999  # near ties may swap
+        assert (lists.sort(-1).values == expected.indices.sort(-1).values).float().mean() > 0.999
 
 
 def reads_and_answers(data, g, queries, **options):
