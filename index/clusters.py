@@ -700,8 +700,8 @@ def _batch_statistics(
 def _eigh(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`torch.linalg.eigh` of a batch of covariances `(nb, D, D)`, each scaled first by the
     power of two nearest its trace (exact, so the answer is the same for a cluster in any
-    batch), and with zero eigenvalues and the identity for one whose answer is still not
-    finite.
+    batch), one by one where the solver gives up on the batch (`_eigh_each`), and with zero
+    eigenvalues and the identity for one whose answer is still not finite.
 
     LAPACK's float32 solver returned NaN eigenvectors for the covariance of 12 identical keys
     (MiniLM's layer 0), whose entries are rounding noise of about 1e-14; that cluster's factor
@@ -709,7 +709,11 @@ def _eigh(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (tests/test_tail.py, `test_a_cluster_of_identical_keys_has_finite_statistics`)."""
     trace = covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
     scale = torch.where(trace > 0, torch.exp2(torch.log2(trace).round()), torch.ones_like(trace))
-    eigenvalues, eigenvectors = torch.linalg.eigh(covariance / scale[:, None, None])
+    scaled = covariance / scale[:, None, None]
+    try:
+        eigenvalues, eigenvectors = torch.linalg.eigh(scaled)
+    except torch.linalg.LinAlgError:
+        eigenvalues, eigenvectors = _eigh_each(scaled)
     eigenvalues = eigenvalues * scale[:, None]
     failed = ~(torch.isfinite(eigenvalues).all(-1) & torch.isfinite(eigenvectors).all((-2, -1)))
     if failed.any():
@@ -717,6 +721,33 @@ def _eigh(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         eigenvalues = eigenvalues.masked_fill(failed[:, None], 0)
         eigenvectors = torch.where(failed[:, None, None], identity, eigenvectors)
     return eigenvalues, eigenvectors
+
+
+def _eigh_each(matrices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.linalg.eigh` of each matrix of a batch `(nb, D, D)` on its own, for a batch on
+    which the solver raised: a matrix it gives up on again is solved in float64 (then rounded
+    back), and one it gives up on in float64 too answers NaN (`_eigh` replaces it). The others'
+    answers are the batch's (the batched solver solves each matrix as it does alone), so a
+    cluster's statistics do not depend on the clusters it was built with.
+
+    MKL's float32 solver gave up on the covariance of a MiniLM cluster whose keys took two
+    values (rank one, entries powers of two; benchmarks/minilm_layers.py stopped on it,
+    tests/test_tail.py `test_a_rank_one_covariance_the_float32_solver_gives_up_on`)."""
+    values, vectors = [], []
+    for matrix in matrices:
+        try:
+            found = torch.linalg.eigh(matrix)
+        except torch.linalg.LinAlgError:
+            try:
+                found = tuple(t.to(matrix.dtype) for t in torch.linalg.eigh(matrix.double()))
+            except torch.linalg.LinAlgError:
+                found = (
+                    matrix.new_full(matrix.shape[:1], torch.nan),
+                    torch.full_like(matrix, torch.nan),
+                )
+        values.append(found[0])
+        vectors.append(found[1])
+    return torch.stack(values), torch.stack(vectors)
 
 
 def _lift_blocks(lifts: list[Lift]) -> list[slice]:

@@ -20,7 +20,7 @@ from rewa.index import (
     tail_attention,
     tail_attention_with_reads,
 )
-from rewa.index.clusters import _batch_statistics
+from rewa.index.clusters import _batch_statistics, _eigh
 from rewa.index.tail import default_query_block, select_clusters, shift_dtype
 from rewa.index.tail import unread as unread_module
 from rewa.index.tail.exact import (
@@ -651,6 +651,66 @@ def test_a_cluster_of_identical_keys_has_finite_statistics():
     assert torch.isfinite(clusters.factor).all() and torch.isfinite(clusters.residual).all()
     out, lse = tail_attention(others[::40] / 4, clusters, budget=0.05)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def rank_one_covariance() -> torch.Tensor:
+    """The covariance of a MiniLM cluster (benchmarks/minilm_layers.py, a tail memory) whose
+    keys took two values, as `_eigh` scaled it: `u u^T`, `u` of 11 non-zero entries, every
+    entry a power of two. MKL's float32 solver gives up on it ("failed to converge", error
+    621); numpy's OpenBLAS and float64 solve it."""
+    pattern = torch.zeros(32)
+    pattern[[3, 6, 10, 11, 15, 16, 17, 21, 22, 26, 30]] = torch.tensor(
+        [1, -2, 1, -2, 2, 1, 1, 0.5, 2, -2, 1]
+    )
+    return torch.outer(pattern, pattern) / 32
+
+
+def test_a_rank_one_covariance_the_float32_solver_gives_up_on():
+    """Solved, alone and among other clusters' covariances, with the right eigenpair: the
+    solver raised for the whole batch, and benchmarks/minilm_layers.py stopped on it."""
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(3, 40, 32, generator=generator)
+    others = features.transpose(1, 2) @ features / 40
+    batch = torch.cat([others[:1], rank_one_covariance()[None], others[1:]])
+    eigenvalues, eigenvectors = _eigh(batch)
+    assert torch.isfinite(eigenvalues).all() and torch.isfinite(eigenvectors).all()
+    torch.testing.assert_close(eigenvalues[1, -1], torch.tensor(25.25 / 32))
+    assert eigenvalues[1, :-1].abs().max() < 1e-6
+    top = rank_one_covariance() @ eigenvectors[1, :, -1]
+    torch.testing.assert_close(top, eigenvalues[1, -1] * eigenvectors[1, :, -1], atol=1e-6, rtol=0)
+    for at, expected in ((0, others[0]), (2, others[1])):
+        torch.testing.assert_close(eigenvectors[at] @ eigenvalues[at].diag() @ eigenvectors[at].T,
+                                   expected, atol=1e-5, rtol=1e-5)  # fmt: skip
+
+
+def test_where_the_solver_gives_up_each_covariance_is_solved_on_its_own(monkeypatch):
+    """Whatever the solver: where it raises for a batch, the other covariances get the answer
+    the batch would have given them, the one it gives up on in float32 its float64 answer, and
+    one it gives up on in float64 too no factor (zero eigenvalues, the identity)."""
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(4, 30, 6, generator=generator)
+    batch = features.transpose(1, 2) @ features / 30
+    # What `_eigh` solves: each covariance over the power of two nearest its trace.
+    scale = torch.exp2(torch.log2(batch.diagonal(dim1=-2, dim2=-1).sum(-1)).round())
+    scaled = batch / scale[:, None, None]
+    eigh = torch.linalg.eigh
+    expected = eigh(scaled)
+
+    def refusing(matrices):  # gives up on any input holding scaled[1] (float32) or scaled[3]
+        marked = [scaled[1], scaled[3], scaled[3].double()]
+        if any((matrices == m).all((-2, -1)).any() for m in marked if m.dtype == matrices.dtype):
+            raise torch.linalg.LinAlgError("failed to converge")
+        return eigh(matrices)
+
+    monkeypatch.setattr(torch.linalg, "eigh", refusing)
+    eigenvalues, eigenvectors = _eigh(batch)
+    for at in (0, 2):
+        assert torch.equal(eigenvalues[at], expected.eigenvalues[at] * scale[at])
+        assert torch.equal(eigenvectors[at], expected.eigenvectors[at])
+    in_float64 = eigh(scaled[1].double())
+    assert torch.equal(eigenvalues[1], in_float64.eigenvalues.float() * scale[1])
+    assert torch.equal(eigenvectors[1], in_float64.eigenvectors.float())
+    assert (eigenvalues[3] == 0).all() and torch.equal(eigenvectors[3], torch.eye(6))
 
 
 def test_a_covariance_whose_eigenvectors_are_not_finite_gets_no_factor(monkeypatch):
