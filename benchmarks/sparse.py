@@ -140,9 +140,9 @@ METHODS: dict[str, Callable] = {
 
 
 def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
-    # The compiled shortlist's one-time load (Numba, about 0.75 s per process) is paid here, as
-    # a long-lived process pays it once, not by the first run it would serve
-    # (docs/indexes.md, "The probes' shortlist").
+    # The compiled shortlist's one-time load (Numba's, once per process) is paid here, as a
+    # long-lived process pays it once, not by the first run it would serve (what it costs:
+    # docs/indexes.md, "The probes' shortlist").
     largest.compile_ahead((np.float32,))
     records = []
     for dataset in datasets:

@@ -126,9 +126,9 @@ def shortlist(moments: ListMoments, a: torch.Tensor, k: int) -> tuple[torch.Tens
     """The `k` non-empty lists whose keys' mean features have the largest inner product with
     each query's feature block `a`: `(products, lists)`, both `(nq, k)`, largest first. On the
     CPU a matrix product and each row's k largest by a compiled loop (`largest.row_largest`)
-    where there are at least `largest.MIN_GROUP` lists per shortlisted one, else FAISS's flat
-    search (a matrix product and a heap per query, faster there than `torch.topk`); torch's
-    top k on another device (docs/indexes.md, "The probes' shortlist")."""
+    where it takes k of the lists (`largest.applies`: a few of many), else FAISS's flat search
+    (a matrix product and a heap per query, faster there than `torch.topk`); torch's top k on
+    another device (docs/indexes.md, "The probes' shortlist")."""
     if a.device.type != "cpu":
         return shortlist_torch(moments, a, k)
     nonempty = moments.nonempty
