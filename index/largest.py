@@ -6,7 +6,7 @@ took several times the matrix product that scored the rows (docs/indexes.md, "Th
 shortlist"). `_row_largest` first bounds the
 row's k-th largest entry from below, without a branch: cut into k groups, each group's largest
 is a distinct entry, so at least k entries reach the least of those maxima. Only the entries
-that reach it (about 50 of 512 for k = 16) are then ranked, each by counting the entries
+that reach it (a few times k) are then ranked, each by counting the entries
 above it.
 
 Numba is imported and the loop compiled (or loaded from Numba's cache) on first use, once per
