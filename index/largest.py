@@ -3,11 +3,10 @@ shortlist (`ivf_blocks.shortlist`), a few of several hundred lists per query.
 
 FAISS's flat search and `torch.topk` keep a heap or a sort per row, a branch per entry, and
 took several times the matrix product that scored the rows (docs/indexes.md, "The probes'
-shortlist"). `_row_largest` first bounds the
-row's k-th largest entry from below, without a branch: cut into k groups, each group's largest
-is a distinct entry, so at least k entries reach the least of those maxima. Only the entries
-that reach it (a few times k) are then ranked, each by counting the entries
-above it.
+shortlist"). `_row_largest` first bounds the row's k-th largest entry from below, without a
+branch: cut into k groups, each group's largest is a distinct entry, so at least k entries
+reach the least of those maxima. Only the entries that reach it (a few times k) are then
+ranked, each by counting the entries above it.
 
 Numba is imported and the loop compiled (or loaded from Numba's cache) on first use, once per
 process (what that costs: docs/indexes.md, "The probes' shortlist")."""
