@@ -142,6 +142,8 @@ def retrieval_attention(
     because it is both more accurate and cheaper than the best K of the same keys: selecting
     K costs more than attending to them all (docs/indexes.md, "Every probed key or the best
     K"). `per_query` (a FAISS index's neighbours per query) defaults to `top_k`, else 64.
+    With `causal=True` a query that read no key at or before its position attends exactly over
+    the keys it may see (`_visible_keys_where_none_was_read`).
 
     With `index="clusters"` (or a `KeyClusters` built over these keys and values) each query
     reads the keys of its most massive clusters up to `budget` (a fraction of all keys) plus the
@@ -192,11 +194,35 @@ def retrieval_attention(
     if supports_ivf_blocks(index) and window == 0 and sinks == 0:
         if top_k is None and _probes_every_list(index):
             return _every_key_attention(q, k, v, geometry, positions if causal else None)
-        return _ivf_list_attention(q, k, v, geometry, index, top_k, positions if causal else None)
-    return _candidate_attention(
-        q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window, sinks=sinks,
-        causal=causal, positions=positions, query_block=query_block,
-    )  # fmt: skip
+        out, lse = _ivf_list_attention(
+            q, k, v, geometry, index, top_k, positions if causal else None
+        )
+    else:
+        out, lse = _candidate_attention(
+            q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window,
+            sinks=sinks, causal=causal, positions=positions, query_block=query_block,
+        )  # fmt: skip
+    if causal:
+        out, lse = _visible_keys_where_none_was_read(q, k, v, geometry, positions, out, lse)
+    return out, lse
+
+
+def _visible_keys_where_none_was_read(q, k, v, geometry, positions, out, lse):
+    """A causal call's answer with every query that read no key (`lse` -inf: none of its
+    candidates or probed lists' keys lies at or before its position) attending exactly over the
+    keys it may see, `[0, position]`, which it would otherwise answer 0 for. Such queries are
+    early ones whose index neighbours all come after them, where queries and keys differ (a
+    prefill's); their prefixes are short (docs/indexes.md, "Causal queries that read no key")."""
+    empty = torch.isneginf(lse.detach()).nonzero().squeeze(-1)
+    if len(empty) == 0:
+        return out, lse
+    seen = positions[empty]
+    last = int(seen.max()) + 1
+    visible = torch.arange(last, device=k.device) <= seen.unsqueeze(-1)
+    exact_out, exact_lse = dense_attention(q[empty], k[:last], v[:last], geometry, mask=visible)
+    out = out.index_put((empty,), exact_out.to(out.dtype))
+    lse = lse.index_put((empty,), exact_lse.to(lse.dtype))
+    return out, lse
 
 
 def _probes_every_list(index: GeometryIndex) -> bool:

@@ -761,3 +761,28 @@ def test_half_precision_inputs_are_computed_in_float32(method, dtype):
     assert out.dtype == dtype and lse.dtype == torch.float32
     torch.testing.assert_close(out, expected_out.to(dtype))
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["ivf", "flat", "hnsw", "lsh"])
+def test_a_causal_query_that_reads_no_key_attends_exactly_over_the_keys_it_may_see(kind):
+    """Queries that are not the keys (a prefill's): an early query's index neighbours may all
+    come after it, and it read nothing (out 0, lse -inf) though the keys up to its position are
+    visible. Such queries now attend exactly over them; the others keep their sparse answer."""
+    generator = torch.Generator().manual_seed(0)
+    n, d = 4096, 16
+    g = make_geometry("dot", d)
+    k, q = (2 * torch.randn(n, d, generator=generator) for _ in range(2))
+    v = torch.randn(n, d, generator=generator)
+    index = build_index(k, g, kind)
+    with torch.no_grad():
+        out, lse = retrieval_attention(q, k, v, g, index=index, causal=True)
+        exact_out, exact_lse = dense_attention(q, k, v, g, causal=True)
+        candidates = retrieval_candidates(q, index, n, per_query=64, causal=True).indices
+    assert torch.isfinite(lse).all() and torch.isfinite(out).all()
+    if kind in ("flat", "hnsw"):  # the same candidates as the attention read
+        read_none = (candidates < 0).all(-1)
+        assert read_none.sum() > 10 and not read_none[n // 2 :].any()
+        torch.testing.assert_close(out[read_none], exact_out[read_none], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[read_none], exact_lse[read_none], atol=1e-5, rtol=1e-5)
+        assert (lse[~read_none] <= exact_lse[~read_none] + 1e-5).all()
+    torch.testing.assert_close(out[:1], v[:1])  # the first query sees the first key only
