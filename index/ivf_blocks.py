@@ -74,11 +74,17 @@ class ListMoments:
         """The lists that hold keys, ascending (the counts never change)."""
         return torch.nonzero(self.counts).squeeze(-1)
 
+    @functools.cached_property
+    def nonempty_mean(self) -> torch.Tensor:
+        """The non-empty lists' mean features `(len(nonempty), D)`, which every block of
+        queries' shortlist scores (gathered once)."""
+        return self.mean[self.nonempty]
+
     def search_index(self) -> faiss.Index:
         """A flat inner-product FAISS index over the non-empty lists' mean features (ids are
         positions in `nonempty`), made on first use."""
         if self._search is None:
-            means = self.mean[self.nonempty].detach().to("cpu", torch.float32).contiguous()
+            means = self.nonempty_mean.detach().to("cpu", torch.float32).contiguous()
             self._search = faiss.IndexFlatIP(means.shape[-1])
             self._search.add(means.numpy())
         return self._search
@@ -134,7 +140,7 @@ def shortlist(moments: ListMoments, a: torch.Tensor, k: int) -> tuple[torch.Tens
     nonempty = moments.nonempty
     if not largest.applies(k, len(nonempty), a.dtype):
         return shortlist_faiss(moments, a, k)
-    products, found = largest.row_largest(a @ moments.mean[nonempty].T, k)
+    products, found = largest.row_largest(a @ moments.nonempty_mean.T, k)
     return products, nonempty[found]
 
 
@@ -150,7 +156,7 @@ def shortlist_faiss(moments: ListMoments, a: torch.Tensor, k: int):
 def shortlist_torch(moments: ListMoments, a: torch.Tensor, k: int):
     """`shortlist` by torch, on `a`'s device."""
     nonempty = moments.nonempty
-    products, found = (a @ moments.mean[nonempty].T).topk(k)
+    products, found = (a @ moments.nonempty_mean.T).topk(k)
     return products, nonempty[found]
 
 

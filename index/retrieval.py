@@ -218,8 +218,7 @@ def _visible_keys_where_none_was_read(q, k, v, geometry, positions, out, lse):
         return out, lse
     seen = positions[empty]
     last = int(seen.max()) + 1
-    visible = torch.arange(last, device=k.device) <= seen.unsqueeze(-1)
-    exact_out, exact_lse = dense_attention(q[empty], k[:last], v[:last], geometry, mask=visible)
+    exact_out, exact_lse = _every_key_attention(q[empty], k[:last], v[:last], geometry, seen)
     out = out.index_put((empty,), exact_out.to(out.dtype))
     lse = lse.index_put((empty,), exact_lse.to(lse.dtype))
     return out, lse
