@@ -12,7 +12,10 @@
   (4 queries per key/value head), d = 128, `tail_attention_heads` (every head in one call, as
   the service calls it) at 1 % of the keys over cluster statistics built beforehand (untimed;
   the build's time is recorded), against SDPA over the same keys; median of 50 interleaved
-  steps, and the output error against exact attention.
+  steps, and the output error against exact attention. The tail step three ways: `tail`, the
+  default (the fixed-shape step replayed as a CUDA graph, index/tail/fixed_step.py),
+  `tail-eager` (the same operations launched one by one) and `tail-batched` (the batched
+  stages).
 
 Writes `benchmarks/results/gpu-<device>.json` (every record names the device too) and
 `gpu-<device>.png`, e.g. `gpu-nvidia-h200.json`.
@@ -24,6 +27,7 @@ Writes `benchmarks/results/gpu-<device>.json` (every record names the device too
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import statistics
@@ -51,6 +55,7 @@ from rewa.index import (
     retrieval_attention,
     topk_recall,
 )
+from rewa.index.tail import fixed_step as fixed_step_module
 from rewa.index.tail import tail_attention_heads
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -181,16 +186,25 @@ def decode_records(
     def sdpa_step(step: int) -> torch.Tensor:
         return F.scaled_dot_product_attention(step_queries(step)[None], keys[None], values[None])
 
-    times = {"sdpa": [], "tail": []}
+    # The tail step three ways: the default (the fixed-shape step replayed as a CUDA graph),
+    # the same operations launched one by one, and the batched stages.
+    settings = {
+        "tail": {},
+        "tail-eager": {"USE_GRAPHS": False},
+        "tail-batched": {"FIXED_STEP_ROWS": 0},
+    }
+    methods = {"sdpa": sdpa_step} | dict.fromkeys(settings, tail_step)
+    times = {name: [] for name in methods}
+    outputs = {}
     with torch.no_grad():
-        tail_step(0)  # untimed first calls
-        sdpa_step(0)
+        for name, fn in methods.items():  # untimed first calls (the graph's capture)
+            with patched(fixed_step_module, **settings.get(name, {})):
+                outputs[name] = fn(0)
         for step in range(steps):
-            times["sdpa"].append(seconds(lambda step=step: sdpa_step(step)))
-            times["tail"].append(seconds(lambda step=step: tail_step(step)))
-        out = tail_step(0)
+            for name, fn in methods.items():
+                with patched(fixed_step_module, **settings.get(name, {})):
+                    times[name].append(seconds(lambda fn=fn, step=step: fn(step)))
         exact = dense_attention(step_queries(0), keys, values, geometry)[0]
-    error = output_error(out.flatten(0, 1), exact.flatten(0, 1)).cpu()
     median = {name: statistics.median(values) for name, values in times.items()}
     records = []
     for name, value in median.items():
@@ -204,11 +218,25 @@ def decode_records(
             "seconds_per_layer": round(value, 6),
             "vs_sdpa": round(value / median["sdpa"], 3),
         }
-        if name == "tail":
+        if name != "sdpa":
+            error = output_error(outputs[name].flatten(0, 1), exact.flatten(0, 1)).cpu()
             record |= {"budget": budget, "build_seconds": round(build_seconds, 3), **errors(error)}
         records.append(record)
         print(json.dumps(record), flush=True)
     return records
+
+
+@contextlib.contextmanager
+def patched(module, **values):
+    """`module`'s attributes set to `values` for the block, restored after it."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
 
 
 def plot(records: list[dict], path: Path) -> None:

@@ -75,6 +75,15 @@ def dense_section(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The decode section's methods of benchmarks/gpu.py, as its table names them.
+DECODE_METHODS = {
+    "sdpa": "SDPA",
+    "tail": "tail at {budget} of keys (fixed-shape step, CUDA graph; default)",
+    "tail-eager": "tail at {budget}, the fixed-shape step launched op by op",
+    "tail-batched": "tail at {budget}, the batched stages",
+}
+
+
 def gpu_section(path: Path, records: list[dict]) -> str:
     device = records[0]["device"]
     lines = [
@@ -88,6 +97,13 @@ def gpu_section(path: Path, records: list[dict]) -> str:
     ]
     dense = [r for r in records if r["section"] == "dense"]
     sizes = sorted({r["n"] for r in dense})
+    earlier = sorted({r["code"] for r in dense if "code" in r})
+    if earlier:
+        lines[-2:-2] = [
+            f"The dense table below was measured on the code of commit {', '.join(earlier)}, in "
+            "an earlier run than the other sections.",
+            "",
+        ]
     lines += ["| method | " + " | ".join(f"N = {n}" for n in sizes) + " |"]
     lines.append("| --- |" + " --- |" * len(sizes))
     for method in dict.fromkeys(r["method"] for r in dense):
@@ -134,7 +150,9 @@ def gpu_section(path: Path, records: list[dict]) -> str:
         ]
         for r in decode:
             error = f"{r['err_median']} / {r['err_p99']}" if "err_median" in r else "0 / 0"
-            name = f"tail at {r['budget']:.0%} of keys" if r["method"] == "tail" else "SDPA"
+            name = DECODE_METHODS.get(r["method"], r["method"])
+            if "budget" in r:
+                name = name.format(budget=f"{r['budget']:.0%}")
             lines.append(
                 f"| {name} | {r['seconds_per_layer'] * 1e3:.2f} ms | {r['vs_sdpa']:.2f} | {error} |"
             )

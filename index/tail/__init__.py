@@ -31,6 +31,7 @@ from .calibration import calibrated
 from .decode import compiled_step_applies, decode_step
 from .estimate import ClusterEstimate, estimate_clusters
 from .exact import _largest_logit_estimate, _visited_apart
+from .fixed_step import fixed_shape_step, fixed_shape_step_applies
 from .selection import select_clusters
 from .unread import _tail_estimate, shift_dtype
 
@@ -167,6 +168,8 @@ def tail_attention_heads_with_reads(
         return TailAttention(geometry.output_map(empty), qw[..., 0], reads)
     if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
         return TailAttention(*decode_step(qw, heads, budget * n_keys))
+    if budget * n_keys > 0 and fixed_shape_step_applies(qw, heads, always, tail, budget * n_keys):
+        return TailAttention(*fixed_shape_step(qw, heads, budget * n_keys))
     is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
     counts = heads.counts
     if always is not None and always.numel() > 0:

@@ -1,0 +1,345 @@
+"""A decode step's tail attention for the dot product on a CUDA GPU: every stage in tensor
+operations of shapes fixed by the clusters and the budget, captured once as a CUDA graph and
+replayed (docs/indexes.md, "The decode step on a GPU").
+
+Through the batched stages of `tail_attention_heads` a decode step on a GPU is bound by kernel
+launches and by the host reading tensors (`nonzero`, `.item()`, sizes that depend on the data),
+not by arithmetic (docs/benchmark-notes.md, "The CUDA paths on an H200 (issue 27)"). Here the
+stages compute the same quantities with no shape and no branch that depends on a tensor's
+values:
+
+- estimate: `estimate._estimate_heads`, as the batched stages call it;
+- selection: `selection.select_clusters`'s walk, as a mask over its `width` candidates (plus the
+  outlier clusters, `exact_read`, right after the first) instead of a list of pairs;
+- exact part: each query's keys as `slots` positions, the keys of its chosen clusters one after
+  another (`slots`: the most a query can read, the budget or the largest cluster), gathered and
+  attended with a mask; the outlier clusters' keys apart, as `exact._visited_apart` keeps them;
+- calibration: `calibration.calibrated`'s Newton steps over the `(rows, clusters)` tables,
+  masked to the ordinary clusters each query read;
+- unread: `unread._tail_estimate`, the value shift over every cluster with the ones it leaves
+  out at weight 0, the cross-covariances stacked once (in `shift_dtype`).
+
+The parts are merged as `merge_attention` merges them. `fixed_shape_step` answers as the batched
+stages do, up to the order of floating-point sums (tests/test_tail_fixed_step.py on the CPU,
+tests/test_cuda.py on a GPU)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from rewa.attention import DotProduct, merge_attention
+
+from ..clusters import ClusterHeads
+from .calibration import CALIBRATION_STEPS
+from .estimate import _estimate_heads
+from .exact import _needs_grad
+from .selection import _most_massive, average_size, walk_width
+from .unread import SHIFT_NEGLIGIBLE, shift_dtype
+
+# The most queries per head a fixed step answers: a decode step's few (grouped-query attention
+# included); blocks of more go through the batched stages, whose selection lists pairs.
+FIXED_STEP_ROWS = 16
+# The most key elements (rows x slots x dimension) the gathered exact part may hold: 256 MiB in
+# float32. A larger budget goes through the batched stages, which read the keys in place.
+MAX_GATHERED_ELEMENTS = 1 << 26
+# Whether a fixed step on a CUDA GPU is captured as a CUDA graph and replayed; off, it runs its
+# operations one by one (the same answers).
+USE_GRAPHS = True
+_GRAPHS_LOCK = threading.Lock()
+
+
+class _Stacked(NamedTuple):
+    """What the fixed step reads of `ClusterHeads`, made once per clusters (in `derived`):
+
+    - `keys` `(H, n, d)`, `values` `(H, n, dv)`: the heads' sorted keys and values (views for one
+      head, copies for several);
+    - `offsets` `(H, C + 1)`: each cluster's first sorted position, padding clusters at `n`;
+    - `ordinary_counts` `(H, C)`: the sizes with the outlier clusters at 0;
+    - `forced` `(H, F)`, `forced_sizes` `(H, F)`: each head's outlier clusters in ascending order,
+      padded with clusters of size 0 (never read) to the most of any head, F;
+    - `value_cross` `(H, C, D dv)`: the key-value cross-covariances in `shift_dtype`;
+    - `shift_share` `(H, 1, 1)`: the share of a query's whole mass below which the value shift
+      leaves a cluster out, `SHIFT_NEGLIGIBLE / nc` per head;
+    - `average`: the average size of an ordinary cluster (as `select_clusters` computes it);
+    - `largest`: the size of the largest cluster."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    offsets: torch.Tensor
+    ordinary_counts: torch.Tensor
+    forced: torch.Tensor
+    forced_sizes: torch.Tensor
+    value_cross: torch.Tensor
+    shift_share: torch.Tensor
+    average: float
+    largest: int
+
+
+def fixed_shape_step_applies(
+    qw: torch.Tensor, heads: ClusterHeads, always: torch.Tensor | None, tail: bool, budget_keys
+) -> bool:
+    """Whether `fixed_shape_step` answers for query witnesses `(H, nq, d)`: the dot product on
+    a CUDA GPU in float32 or float64, at most `FIXED_STEP_ROWS` queries per head, a gathered
+    exact part within `MAX_GATHERED_ELEMENTS`, without autograd, `always` keys or `tail=False`."""
+    if not (
+        type(heads.geometry) is DotProduct
+        and qw.device.type == "cuda"
+        and heads.counts.dtype in (torch.float32, torch.float64)
+        and qw.shape[1] <= FIXED_STEP_ROWS
+        and tail
+        and (always is None or always.numel() == 0)
+        and not _needs_grad(qw, heads.geometry)
+    ):
+        return False
+    slots = n_slots(_stacked(heads), budget_keys)
+    return qw.shape[0] * qw.shape[1] * slots * qw.shape[2] <= MAX_GATHERED_ELEMENTS
+
+
+def n_slots(stacked: _Stacked, budget_keys: float) -> int:
+    """The most keys a query reads within `budget_keys`: the budget, or the largest cluster
+    (the most massive is read whatever its size, and then nothing else fits)."""
+    return max(int(budget_keys), stacked.largest, 1)
+
+
+def fixed_shape_step(
+    qw: torch.Tensor, heads: ClusterHeads, budget_keys: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tail attention of the query witnesses `(H, nq, d)` over `heads` within `budget_keys` keys
+    per query, more than 0: `(out (H, nq, dv), lse (H, nq), keys_read (H, nq))`, the same answers
+    as the batched stages (module docstring). On a CUDA GPU (with `USE_GRAPHS`) the step's
+    operations are captured as a CUDA graph at the first call of each query shape and budget, and
+    replayed at the next ones; the graphs are kept with the clusters."""
+    if budget_keys <= 0:
+        raise ValueError(f"expected a positive budget of keys, got {budget_keys}")
+    stacked = _stacked(heads)
+    qw = qw.to(heads.counts.dtype)
+    if qw.device.type != "cuda" or not USE_GRAPHS:
+        return _step(qw, heads, stacked, budget_keys)
+    with _GRAPHS_LOCK:
+        graphs = heads.derived.setdefault(f"{__name__}.graphs", {})
+        key = (tuple(qw.shape), budget_keys)
+        if key not in graphs:
+            graphs[key] = _captured(qw, heads, stacked, budget_keys)
+        if graphs[key] is None:  # the capture failed: the operations one by one
+            return _step(qw, heads, stacked, budget_keys)
+        graph, static_q, outputs = graphs[key]
+        # One replay at a time: the graph reads one queries tensor and writes its outputs in
+        # place, so the caller keeps copies, queued on the stream before the next replay.
+        static_q.copy_(qw)
+        graph.replay()
+        return tuple(t.clone() for t in outputs)
+
+
+def _captured(qw, heads, stacked, budget_keys):
+    """`_step` captured as a CUDA graph for queries of `qw`'s shape: `(graph, the queries it
+    reads, the outputs it writes)`, or None (with a warning) where the capture fails. Two calls
+    on a side stream first, as PyTorch's graph capture asks (they set up the libraries'
+    workspaces)."""
+    static_q = qw.clone()
+    side = torch.cuda.Stream(device=qw.device)
+    side.wait_stream(torch.cuda.current_stream(qw.device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(static_q, heads, stacked, budget_keys)
+    torch.cuda.current_stream(qw.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            outputs = _step(static_q, heads, stacked, budget_keys)
+    except RuntimeError as error:
+        warnings.warn(
+            f"tail attention's decode step could not be captured as a CUDA graph ({error}); "
+            "it runs its operations one by one",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return graph, static_q, outputs
+
+
+def _stacked(heads: ClusterHeads) -> _Stacked:
+    """The `_Stacked` of `heads`, made at the first call and kept in `heads.derived`."""
+    found = heads.derived.get(__name__)
+    if found is not None:
+        return found
+    n_clusters = heads.n_clusters
+    clusters = heads.heads
+    if len(clusters) == 1:
+        keys, values = clusters[0].keys_w.unsqueeze(0), clusters[0].values.unsqueeze(0)
+    else:
+        keys = torch.stack([c.keys_w for c in clusters])
+        values = torch.stack([c.values for c in clusters])
+    n_keys = keys.shape[1]
+    offsets = heads.counts.new_full((heads.n_heads, n_clusters + 1), n_keys, dtype=torch.long)
+    for head, c in enumerate(clusters):
+        offsets[head, : c.n_clusters + 1] = c.offsets
+    exact_read = heads.exact_read
+    n_forced = int(exact_read.sum(-1).max())
+    # Each head's flagged clusters first, in ascending order (as `select_clusters` orders them).
+    forced = (~exact_read).to(torch.uint8).argsort(dim=-1, stable=True)[:, :n_forced]
+    forced_sizes = heads.counts.gather(1, forced) * exact_read.gather(1, forced)
+    dtype = shift_dtype(heads.counts.dtype, keys.device)
+    cross = keys.new_zeros(
+        heads.n_heads, n_clusters, math.prod(clusters[0].value_cross.shape[1:]), dtype=dtype
+    )
+    for head, c in enumerate(clusters):
+        cross[head, : c.n_clusters] = c.value_cross.flatten(1).to(dtype)
+    share = [SHIFT_NEGLIGIBLE / max(c.n_clusters, 1) for c in clusters]
+    share = torch.tensor(share, dtype=heads.counts.dtype, device=keys.device).view(-1, 1, 1)
+    found = heads.derived[__name__] = _Stacked(
+        keys=keys,
+        values=values,
+        offsets=offsets,
+        ordinary_counts=heads.counts.masked_fill(exact_read, 0),
+        forced=forced,
+        forced_sizes=forced_sizes,
+        value_cross=cross,
+        shift_share=share,
+        average=average_size(heads.counts.masked_fill(exact_read, 0)),
+        largest=int(heads.counts.max()),
+    )
+    return found
+
+
+def _step(qw: torch.Tensor, heads: ClusterHeads, stacked: _Stacked, budget_keys: float):
+    """The stages on fixed shapes (module docstring): `(out, lse, keys_read)`."""
+    n_heads, n_queries = qw.shape[:2]
+    estimate = _estimate_heads(qw, heads, None)
+    rows = estimate.rows()
+    candidates, sizes, forced = _candidates(rows.log_mass, heads, stacked, budget_keys, n_queries)
+    read = sizes * _walk(sizes, budget_keys)  # each candidate's keys read, 0 if not taken
+    parts_out, parts_lse = _exact_parts(qw, heads, stacked, candidates, read, forced, budget_keys)
+    taken = _flags(candidates, read > 0, rows.log_mass.shape[-1])
+    ordinary = _flags(candidates, (read > 0) & ~forced, rows.log_mass.shape[-1])
+    log_mass = _calibrated(rows.log_mass, rows.floor, ordinary, parts_lse[0])
+    unread = log_mass.masked_fill(taken, -math.inf).view(n_heads, n_queries, -1)
+    (slope, a), *_ = estimate.shift_terms
+    read_lse = torch.logaddexp(parts_lse[0], parts_lse[1]).view(n_heads, n_queries)
+    tail_out, tail_lse = _unread(heads, stacked, unread, slope, a, read_lse)
+    out, lse = merge_attention(
+        (parts_out[0], parts_lse[0]), (parts_out[1], parts_lse[1]), (tail_out, tail_lse)
+    )
+    shape = (n_heads, n_queries)
+    return out.view(*shape, -1), lse.view(shape), read.sum(-1).view(shape)
+
+
+def _candidates(log_mass, heads, stacked, budget_keys, n_queries):
+    """Each row's candidates in the walk's order `(rows, L)`, their sizes `(rows, L)` and whether
+    each is an outlier cluster `(rows, L)` (`select_clusters`): the `width` most massive ordinary
+    clusters, with the outlier clusters right after the first."""
+    n_clusters = log_mass.shape[-1]
+    exact_read = _per_row(heads.exact_read, n_queries)
+    width = walk_width(stacked.average, budget_keys, n_clusters)
+    best = _most_massive(log_mass.masked_fill(exact_read, -math.inf), width)
+    sizes = _per_row(stacked.ordinary_counts, n_queries).gather(1, best)
+    is_forced = torch.zeros_like(best, dtype=torch.bool)
+    if stacked.forced.shape[1]:
+        forced = _per_row(stacked.forced, n_queries)
+        forced_sizes = _per_row(stacked.forced_sizes, n_queries)
+        best = torch.cat([best[:, :1], forced, best[:, 1:]], dim=1)
+        sizes = torch.cat([sizes[:, :1], forced_sizes, sizes[:, 1:]], dim=1)
+        flagged = torch.ones_like(forced, dtype=torch.bool)
+        is_forced = torch.cat([is_forced[:, :1], flagged, is_forced[:, 1:]], dim=1)
+    return best, sizes, is_forced
+
+
+def _walk(sizes: torch.Tensor, budget_keys: float) -> torch.Tensor:
+    """`select_clusters`'s walk over the candidates' sizes `(rows, L)`: whether each is read,
+    the first whatever its size, each other if it still fits in the budget (sizes 0 never)."""
+    taken = sizes > 0
+    remaining = budget_keys - sizes[:, 0]
+    for column in range(1, sizes.shape[1]):
+        size = sizes[:, column]
+        fits = (size <= remaining) & (size > 0)
+        taken[:, column] = fits
+        remaining = remaining - size * fits
+    return taken
+
+
+def _exact_parts(qw, heads, stacked, candidates, read, forced, budget_keys):
+    """The exact attention of each query over the keys of the candidates it reads, ordinary and
+    outlier clusters apart: `out (2, rows, dv)`, `lse (2, rows)` (`(0, -inf)` where a query read
+    nothing in a part). Slot s of a row holds the key at position s of its chosen clusters'
+    keys laid one after another."""
+    n_heads, n_queries, dim = qw.shape
+    n_rows, width = candidates.shape
+    slots = n_slots(stacked, budget_keys)
+    ends = read.long().cumsum(1)  # (rows, L): where each candidate's keys end among the slots
+    slot = torch.arange(slots, device=qw.device).expand(n_rows, -1).contiguous()
+    which = torch.searchsorted(ends, slot, right=True)  # the candidate holding each slot
+    filled = which < width
+    which = which.clamp_max(width - 1)
+    cluster = candidates.gather(1, which)
+    within = slot - (ends.gather(1, which) - read.long().gather(1, which))
+    first = _per_row(stacked.offsets, n_queries).gather(1, cluster)
+    n_keys = stacked.keys.shape[1]
+    head = torch.arange(n_heads, device=qw.device).view(-1, 1, 1).expand(-1, n_queries, 1)
+    head = head.reshape(n_rows, 1)
+    position = torch.where(filled, first + within, 0) + head * n_keys
+    keys = stacked.keys.flatten(0, 1)[position]  # (rows, slots, d)
+    values = stacked.values.flatten(0, 1)[position]  # (rows, slots, dv)
+    queries = qw.reshape(n_rows, dim, 1)
+    logits = (keys @ queries).squeeze(-1) * heads.geometry.scale
+    outlying = forced.gather(1, which)
+    parts = torch.stack([filled & ~outlying, filled & outlying])  # (2, rows, slots)
+    logits = logits.expand(2, -1, -1).masked_fill(~parts, -math.inf)
+    lse = logits.logsumexp(-1)
+    finite = lse.nan_to_num(0.0, 0.0, 0.0)
+    weights = (logits - finite.unsqueeze(-1)).exp()
+    out = (weights.unsqueeze(2) @ values).squeeze(2)
+    return out, lse
+
+
+def _flags(candidates: torch.Tensor, chosen: torch.Tensor, n_clusters: int) -> torch.Tensor:
+    """`(rows, C)`: whether each cluster is among a row's `chosen` candidates (the padding of the
+    outlier clusters may repeat a cluster, never a chosen one)."""
+    flags = chosen.new_zeros(chosen.shape[0], n_clusters, dtype=torch.int32)
+    return flags.scatter_add_(1, candidates, chosen.to(torch.int32)) > 0
+
+
+def _calibrated(log_mass, floor, ordinary, target):
+    """`calibration.calibrated` with the pairs as a mask `ordinary` `(rows, C)`."""
+    excess = torch.where(ordinary, log_mass - floor, 0)
+    floor_read = torch.where(ordinary, floor, -math.inf)
+    tiny = torch.finfo(log_mass.dtype).tiny
+    alpha = log_mass.new_zeros(log_mass.shape[0], 1)
+    for _ in range(CALIBRATION_STEPS):
+        values = floor_read + (1 - alpha) * excess
+        peak = values.amax(-1, keepdim=True)
+        peak = torch.where(torch.isfinite(peak), peak, 0)
+        weights = (values - peak).exp()
+        total = weights.sum(-1, keepdim=True)
+        slope = (weights * excess).sum(-1, keepdim=True) / torch.where(total > 0, total, 1)
+        value = peak + total.log()
+        step = (value - target.unsqueeze(-1)) / slope.clamp_min(tiny)
+        alpha = torch.where(value > target.unsqueeze(-1), alpha + step, alpha).clamp(0, 1)
+    alpha = torch.where(torch.isfinite(target.unsqueeze(-1)), alpha, 0)
+    inf = math.inf
+    return torch.lerp(log_mass, floor, alpha).nan_to_num_(-inf, inf, -inf)
+
+
+def _unread(heads, stacked, log_mass, slope, a, read_lse):
+    """`unread._tail_estimate` of the unread clusters' `log_mass` `(H, nq, C)`: `(out (H * nq,
+    dv), lse (H * nq,))`, the value shift over every cluster (those it leaves out at weight 0)."""
+    peak = log_mass.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    weights = (log_mass - peak).exp()
+    total = weights.sum(-1)
+    out = weights @ heads.value_mean
+    whole = total + (read_lse - peak.squeeze(-1)).exp()
+    kept = (weights >= whole.unsqueeze(-1) * stacked.shift_share).any(1, keepdim=True)
+    shifted = (weights * kept * slope).to(stacked.value_cross.dtype) @ stacked.value_cross
+    shifted = shifted.view(*a.shape, -1).to(out.dtype)  # (H, nq, D, dv)
+    out = out + (a.unsqueeze(2) @ shifted).squeeze(2)
+    out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
+    return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def _per_row(stacked: torch.Tensor, n_queries: int) -> torch.Tensor:
+    """A per-head `(H, ...)` table as the rows of the heads' queries `(H * nq, ...)`."""
+    return stacked.unsqueeze(1).expand(-1, n_queries, *stacked.shape[1:]).flatten(0, 1)
