@@ -224,8 +224,19 @@ def _decode_heads_on_cuda():
     return ClusterHeads.stacked(on_cuda), centres
 
 
-@pytest.mark.parametrize("budget", [0.002, 0.01, 0.05])
-def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(monkeypatch, budget):
+@pytest.mark.parametrize(
+    ("budget", "always"),
+    [
+        (0.002, None),
+        (0.01, None),
+        (0.05, None),
+        (0.05, "sinks-and-window"),
+        (0.3, "sinks-and-window"),
+    ],
+)
+def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(
+    monkeypatch, budget, always
+):
     """`tail_attention_heads` with a decode step's 4 queries per head on CUDA: the fixed-shape
     step, captured as a CUDA graph at the first call and replayed with the next queries, answers
     as its operations launched one by one, and as the batched stages up to the value shift's
@@ -235,19 +246,23 @@ def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(monkey
     from tests.test_tail_decode import _queries
 
     heads, centres = _decode_heads_on_cuda()
+    n_keys = heads.heads[0].n_keys
+    if always is not None:  # a service's sinks and window, as it sends them each step
+        always = torch.cat([torch.arange(4), torch.arange(n_keys - 64, n_keys)]).to(CUDA)
     captured = []
     capture = fixed_module._captured
     monkeypatch.setattr(fixed_module, "_captured", lambda *a: captured.append(1) or capture(*a))
     with torch.no_grad():
         for seed in range(3):
             q = _queries(centres, 4, seed=seed).to(CUDA)
-            graphed = tail_attention_heads_with_reads(q, heads, budget=budget)
+            options = {"budget": budget, "always": always}
+            graphed = tail_attention_heads_with_reads(q, heads, **options)
             with monkeypatch.context() as patch:
                 patch.setattr(fixed_module, "USE_GRAPHS", False)
-                eager = tail_attention_heads_with_reads(q, heads, budget=budget)
+                eager = tail_attention_heads_with_reads(q, heads, **options)
                 patch.setattr(fixed_module, "FIXED_STEP_ROWS", 0)
                 patch.setattr(decode_module, "COMPILED_STEP_ROWS", 0)
-                batched = tail_attention_heads_with_reads(q, heads, budget=budget)
+                batched = tail_attention_heads_with_reads(q, heads, **options)
             torch.testing.assert_close(graphed.out, eager.out, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(graphed.lse, eager.lse, rtol=1e-6, atol=1e-6)
             assert torch.equal(graphed.keys_read, batched.keys_read)

@@ -14,11 +14,11 @@ from rewa.index.tail import fixed_step as fixed_module
 from tests.test_tail_decode import _queries, _stack
 
 
-def _batched(monkeypatch, queries, heads, budget):
+def _batched(monkeypatch, queries, heads, budget, always=None):
     """The batched stages' answer (the compiled step turned off)."""
     with monkeypatch.context() as patch:
         patch.setattr(decode_module, "COMPILED_STEP_ROWS", 0)
-        return tail_attention_heads_with_reads(queries, heads, budget=budget)
+        return tail_attention_heads_with_reads(queries, heads, budget=budget, always=always)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -55,6 +55,33 @@ def test_one_heads_fixed_step_equals_the_batched_stages(monkeypatch, budget):
     torch.testing.assert_close(lse, expected.lse, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("n_queries", [1, 4])
+@pytest.mark.parametrize("budget", [0.05, 0.3])
+@pytest.mark.parametrize("always", ["sinks-and-window", "spread"])
+def test_the_fixed_step_with_always_keys_equals_the_batched_stages(
+    monkeypatch, dtype, n_queries, budget, always
+):
+    """Key ids every query reads exactly (a service's sinks and window, or ids spread over every
+    cluster): left out of their clusters' sizes and of the slots, read apart, counted in the
+    keys read, as the batched stages do."""
+    heads, centres = _stack(dtype)
+    n_keys = heads.heads[0].n_keys
+    if always == "sinks-and-window":
+        ids = torch.cat([torch.arange(4), torch.arange(n_keys - 64, n_keys)])
+    else:
+        ids = torch.arange(0, n_keys, 29)
+    queries = _queries(centres, n_queries)
+    with torch.no_grad():
+        found = fixed_module.fixed_shape_step(queries, heads, budget * n_keys - len(ids), ids)
+        expected = _batched(monkeypatch, queries, heads, budget, always=ids)
+    out, lse, reads = found
+    assert torch.equal(reads, expected.keys_read)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(lse, expected.lse, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out, expected.out, rtol=tolerance, atol=tolerance)
+
+
 def test_the_slots_hold_every_key_a_query_reads():
     """The exact part's slots: the budget, or the largest cluster where it is larger."""
     heads, _ = _stack(torch.float64)
@@ -62,6 +89,8 @@ def test_the_slots_hold_every_key_a_query_reads():
     largest = int(heads.counts.max())
     assert fixed_module.n_slots(stacked, 10.5) == largest
     assert fixed_module.n_slots(stacked, largest + 100.7) == largest + 100
+    # Always keys inside the chosen clusters take slots without being read there.
+    assert fixed_module.n_slots(stacked, largest + 100.7, n_always=9) == largest + 109
 
 
 def test_the_walk_takes_the_first_candidate_and_then_what_fits():
@@ -76,7 +105,7 @@ def test_on_the_cpu_the_compiled_step_answers_not_the_fixed_one(monkeypatch):
     (index/tail/decode.py)."""
     heads, centres = _stack(torch.float32)
     queries = _queries(centres, 4)
-    assert not fixed_module.fixed_shape_step_applies(queries, heads, None, True, 30.0)
+    assert not fixed_module.fixed_shape_step_applies(queries, heads, True, 30.0)
     calls = []
     step = tail_module.fixed_shape_step
     monkeypatch.setattr(tail_module, "fixed_shape_step", lambda *a: calls.append(1) or step(*a))

@@ -168,17 +168,18 @@ def tail_attention_heads_with_reads(
         return TailAttention(geometry.output_map(empty), qw[..., 0], reads)
     if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
         return TailAttention(*decode_step(qw, heads, budget * n_keys))
-    if budget * n_keys > 0 and fixed_shape_step_applies(qw, heads, always, tail, budget * n_keys):
-        return TailAttention(*fixed_shape_step(qw, heads, budget * n_keys))
-    is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
-    counts = heads.counts
     if always is not None and always.numel() > 0:
         always = always.unique()
         if always.min() < 0 or always.max() >= n_keys:
             raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
-        counts, is_always, always_keys, always_values = _always_read(heads, always)
     n_always = 0 if always is None else len(always)
     budget_keys = budget * n_keys - n_always
+    if fixed_shape_step_applies(qw, heads, tail, budget_keys, n_always):
+        return TailAttention(*fixed_shape_step(qw, heads, budget_keys, always))
+    is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
+    counts = heads.counts
+    if n_always:
+        counts, is_always, always_keys, always_values = _always_read(heads, always)
     exact_read = heads.exact_read
     outs, lses, reads = [], [], []
     for start in range(0, qw.shape[1], query_block):

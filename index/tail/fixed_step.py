@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from rewa.attention import DotProduct, merge_attention
+from rewa.attention.sparse import softmax_attend
 
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
@@ -59,9 +60,9 @@ class _Stacked(NamedTuple):
     - `keys` `(H, n, d)`, `values` `(H, n, dv)`: the heads' sorted keys and values (views for one
       head, copies for several);
     - `offsets` `(H, C + 1)`: each cluster's first sorted position, padding clusters at `n`;
-    - `ordinary_counts` `(H, C)`: the sizes with the outlier clusters at 0;
-    - `forced` `(H, F)`, `forced_sizes` `(H, F)`: each head's outlier clusters in ascending order,
-      padded with clusters of size 0 (never read) to the most of any head, F;
+    - `position` `(H, n)`: each key id's sorted position;
+    - `forced` `(H, F)`: each head's outlier clusters in ascending order, padded with ordinary
+      clusters (read as size 0: never) to the most of any head, F;
     - `value_cross` `(H, C, D dv)`: the key-value cross-covariances in `shift_dtype`;
     - `shift_share` `(H, 1, 1)`: the share of a query's whole mass below which the value shift
       leaves a cluster out, `SHIFT_NEGLIGIBLE / nc` per head;
@@ -71,9 +72,8 @@ class _Stacked(NamedTuple):
     keys: torch.Tensor
     values: torch.Tensor
     offsets: torch.Tensor
-    ordinary_counts: torch.Tensor
+    position: torch.Tensor
     forced: torch.Tensor
-    forced_sizes: torch.Tensor
     value_cross: torch.Tensor
     shift_share: torch.Tensor
     average: float
@@ -81,76 +81,99 @@ class _Stacked(NamedTuple):
 
 
 def fixed_shape_step_applies(
-    qw: torch.Tensor, heads: ClusterHeads, always: torch.Tensor | None, tail: bool, budget_keys
+    qw: torch.Tensor, heads: ClusterHeads, tail: bool, budget_keys: float, n_always: int = 0
 ) -> bool:
     """Whether `fixed_shape_step` answers for query witnesses `(H, nq, d)`: the dot product on
-    a CUDA GPU in float32 or float64, at most `FIXED_STEP_ROWS` queries per head, a gathered
-    exact part within `MAX_GATHERED_ELEMENTS`, without autograd, `always` keys or `tail=False`."""
+    a CUDA GPU in float32 or float64, at most `FIXED_STEP_ROWS` queries per head, a budget of
+    more than 0 keys besides the `n_always` keys every query reads, a gathered exact part within
+    `MAX_GATHERED_ELEMENTS`, without autograd or `tail=False`."""
     if not (
         type(heads.geometry) is DotProduct
         and qw.device.type == "cuda"
         and heads.counts.dtype in (torch.float32, torch.float64)
         and qw.shape[1] <= FIXED_STEP_ROWS
         and tail
-        and (always is None or always.numel() == 0)
+        and budget_keys > 0
         and not _needs_grad(qw, heads.geometry)
     ):
         return False
-    slots = n_slots(_stacked(heads), budget_keys)
+    slots = n_slots(_stacked(heads), budget_keys, n_always)
     return qw.shape[0] * qw.shape[1] * slots * qw.shape[2] <= MAX_GATHERED_ELEMENTS
 
 
-def n_slots(stacked: _Stacked, budget_keys: float) -> int:
-    """The most keys a query reads within `budget_keys`: the budget, or the largest cluster
-    (the most massive is read whatever its size, and then nothing else fits)."""
-    return max(int(budget_keys), stacked.largest, 1)
+def n_slots(stacked: _Stacked, budget_keys: float, n_always: int = 0) -> int:
+    """The most key positions a query's chosen clusters span within `budget_keys`: the budget,
+    or the largest cluster (the most massive is read whatever its size, and then nothing else
+    fits), and the `n_always` keys among them, which are read apart."""
+    return max(int(budget_keys), stacked.largest, 1) + n_always
 
 
 def fixed_shape_step(
-    qw: torch.Tensor, heads: ClusterHeads, budget_keys: float
+    qw: torch.Tensor, heads: ClusterHeads, budget_keys: float, always: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tail attention of the query witnesses `(H, nq, d)` over `heads` within `budget_keys` keys
-    per query, more than 0: `(out (H, nq, dv), lse (H, nq), keys_read (H, nq))`, the same answers
-    as the batched stages (module docstring). On a CUDA GPU (with `USE_GRAPHS`) the step's
-    operations are captured as a CUDA graph at the first call of each query shape and budget, and
-    replayed at the next ones; the graphs are kept with the clusters."""
+    per query (more than 0), besides the key ids `always` (unique, in range; read exactly by
+    every query): `(out (H, nq, dv), lse (H, nq), keys_read (H, nq))`, the same answers as the
+    batched stages (module docstring).
+
+    On a CUDA GPU (with `USE_GRAPHS`) the step's operations are captured as a CUDA graph at the
+    first call of each query shape, number of `always` keys, budget and walk width, and replayed
+    at the next ones; the graphs are kept with the clusters. With `always` keys, their clusters'
+    sizes and the walk's width (from the average size) are found before the graph, one wait for
+    the GPU per call."""
     if budget_keys <= 0:
         raise ValueError(f"expected a positive budget of keys, got {budget_keys}")
     stacked = _stacked(heads)
     qw = qw.to(heads.counts.dtype)
+    counts, positions, average = heads.counts, None, stacked.average
+    if always is not None and always.numel() > 0:
+        # The always keys' sorted positions per head, and the cluster sizes without them.
+        positions = stacked.position[:, always.to(qw.device)]
+        cluster = torch.searchsorted(stacked.offsets, positions, right=True) - 1
+        removed = torch.zeros_like(counts).scatter_add_(
+            1, cluster, torch.ones_like(positions, dtype=counts.dtype)
+        )
+        counts = counts - removed
+        average = average_size(counts.masked_fill(heads.exact_read, 0))
+    width = walk_width(average, budget_keys, heads.n_clusters)
+    inputs = (qw, counts, positions)
     if qw.device.type != "cuda" or not USE_GRAPHS:
-        return _step(qw, heads, stacked, budget_keys)
+        return _step(heads, stacked, budget_keys, width, *inputs)
+    n_always = 0 if positions is None else positions.shape[1]
     with _GRAPHS_LOCK:
         graphs = heads.derived.setdefault(f"{__name__}.graphs", {})
-        key = (tuple(qw.shape), budget_keys)
+        key = (tuple(qw.shape), n_always, budget_keys, width)
         if key not in graphs:
-            graphs[key] = _captured(qw, heads, stacked, budget_keys)
+            graphs[key] = _captured(heads, stacked, budget_keys, width, inputs)
         if graphs[key] is None:  # the capture failed: the operations one by one
-            return _step(qw, heads, stacked, budget_keys)
-        graph, static_q, outputs = graphs[key]
-        # One replay at a time: the graph reads one queries tensor and writes its outputs in
+            return _step(heads, stacked, budget_keys, width, *inputs)
+        graph, static_inputs, outputs = graphs[key]
+        # One replay at a time: the graph reads its input tensors and writes its outputs in
         # place, so the caller keeps copies, queued on the stream before the next replay.
-        static_q.copy_(qw)
+        for static, given in zip(static_inputs, inputs, strict=True):
+            if static is not None:
+                static.copy_(given)
         graph.replay()
         return tuple(t.clone() for t in outputs)
 
 
-def _captured(qw, heads, stacked, budget_keys):
-    """`_step` captured as a CUDA graph for queries of `qw`'s shape: `(graph, the queries it
-    reads, the outputs it writes)`, or None (with a warning) where the capture fails. Two calls
-    on a side stream first, as PyTorch's graph capture asks (they set up the libraries'
-    workspaces)."""
-    static_q = qw.clone()
-    side = torch.cuda.Stream(device=qw.device)
-    side.wait_stream(torch.cuda.current_stream(qw.device))
+def _captured(heads, stacked, budget_keys, width, inputs):
+    """`_step` captured as a CUDA graph for inputs of the shapes of `inputs`: `(graph, the
+    inputs it reads, the outputs it writes)`, or None (with a warning) where the capture fails.
+    Two calls on a side stream first, as PyTorch's graph capture asks (they set up the
+    libraries' workspaces)."""
+    static_inputs = tuple(None if t is None else t.clone() for t in inputs)
+    device = inputs[0].device
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
-            _step(static_q, heads, stacked, budget_keys)
-    torch.cuda.current_stream(qw.device).wait_stream(side)
+            _step(heads, stacked, budget_keys, width, *static_inputs)
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            outputs = _step(static_q, heads, stacked, budget_keys)
+            outputs = _step(heads, stacked, budget_keys, width, *static_inputs)
     except RuntimeError as error:
         warnings.warn(
             f"tail attention's decode step could not be captured as a CUDA graph ({error}); "
@@ -159,7 +182,7 @@ def _captured(qw, heads, stacked, budget_keys):
             stacklevel=3,
         )
         return None
-    return graph, static_q, outputs
+    return graph, static_inputs, outputs
 
 
 def _stacked(heads: ClusterHeads) -> _Stacked:
@@ -182,7 +205,9 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
     n_forced = int(exact_read.sum(-1).max())
     # Each head's flagged clusters first, in ascending order (as `select_clusters` orders them).
     forced = (~exact_read).to(torch.uint8).argsort(dim=-1, stable=True)[:, :n_forced]
-    forced_sizes = heads.counts.gather(1, forced) * exact_read.gather(1, forced)
+    position = torch.empty(heads.n_heads, n_keys, dtype=torch.long, device=keys.device)
+    for head, c in enumerate(clusters):
+        position[head, c.order] = torch.arange(n_keys, device=keys.device)
     dtype = shift_dtype(heads.counts.dtype, keys.device)
     cross = keys.new_zeros(
         heads.n_heads, n_clusters, math.prod(clusters[0].value_cross.shape[1:]), dtype=dtype
@@ -195,9 +220,8 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
         keys=keys,
         values=values,
         offsets=offsets,
-        ordinary_counts=heads.counts.masked_fill(exact_read, 0),
+        position=position,
         forced=forced,
-        forced_sizes=forced_sizes,
         value_cross=cross,
         shift_share=share,
         average=average_size(heads.counts.masked_fill(exact_read, 0)),
@@ -206,41 +230,50 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
     return found
 
 
-def _step(qw: torch.Tensor, heads: ClusterHeads, stacked: _Stacked, budget_keys: float):
-    """The stages on fixed shapes (module docstring): `(out, lse, keys_read)`."""
+def _step(heads, stacked, budget_keys, width, qw, counts, positions):
+    """The stages on fixed shapes (module docstring): `(out, lse, keys_read)` of the queries
+    `qw` `(H, nq, d)` with the clusters' sizes `counts` `(H, C)` (without the always keys) and
+    the always keys' sorted positions `positions` `(H, A)` or None."""
     n_heads, n_queries = qw.shape[:2]
-    estimate = _estimate_heads(qw, heads, None)
+    estimate = _estimate_heads(qw, heads, counts)
     rows = estimate.rows()
-    candidates, sizes, forced = _candidates(rows.log_mass, heads, stacked, budget_keys, n_queries)
-    read = sizes * _walk(sizes, budget_keys)  # each candidate's keys read, 0 if not taken
-    parts_out, parts_lse = _exact_parts(qw, heads, stacked, candidates, read, forced, budget_keys)
-    taken = _flags(candidates, read > 0, rows.log_mass.shape[-1])
-    ordinary = _flags(candidates, (read > 0) & ~forced, rows.log_mass.shape[-1])
-    log_mass = _calibrated(rows.log_mass, rows.floor, ordinary, parts_lse[0])
-    unread = log_mass.masked_fill(taken, -math.inf).view(n_heads, n_queries, -1)
+    n_clusters = rows.log_mass.shape[-1]
+    candidates, sizes, forced = _candidates(rows.log_mass, heads, stacked, counts, width, n_queries)
+    taken = _walk(sizes, budget_keys)
+    read = sizes * taken  # each candidate's keys read, 0 if not taken
+    # The key positions each taken candidate spans, the always keys among them included.
+    spans = read if positions is None else heads.counts.flatten().take(
+        candidates + _row_heads(n_heads, n_queries, qw.device).unsqueeze(-1) * n_clusters
+    ) * taken  # fmt: skip
+    n_always = 0 if positions is None else positions.shape[1]
+    slots = n_slots(stacked, budget_keys, n_always)
+    parts = _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions)
+    if positions is not None:
+        parts.append(_always_part(qw, heads, stacked, positions))
+    taken_flags = _flags(candidates, taken, n_clusters)
+    ordinary = _flags(candidates, taken & ~forced, n_clusters)
+    log_mass = _calibrated(rows.log_mass, rows.floor, ordinary, parts[0][1])
+    unread = log_mass.masked_fill(taken_flags, -math.inf).view(n_heads, n_queries, -1)
     (slope, a), *_ = estimate.shift_terms
-    read_lse = torch.logaddexp(parts_lse[0], parts_lse[1]).view(n_heads, n_queries)
-    tail_out, tail_lse = _unread(heads, stacked, unread, slope, a, read_lse)
-    out, lse = merge_attention(
-        (parts_out[0], parts_lse[0]), (parts_out[1], parts_lse[1]), (tail_out, tail_lse)
-    )
+    read_lse = torch.stack([lse for _, lse in parts]).logsumexp(0).view(n_heads, n_queries)
+    parts.append(_unread(heads, stacked, unread, slope, a, read_lse))
+    out, lse = merge_attention(*parts)
     shape = (n_heads, n_queries)
-    return out.view(*shape, -1), lse.view(shape), read.sum(-1).view(shape)
+    return out.view(*shape, -1), lse.view(shape), (read.sum(-1) + n_always).view(shape)
 
 
-def _candidates(log_mass, heads, stacked, budget_keys, n_queries):
-    """Each row's candidates in the walk's order `(rows, L)`, their sizes `(rows, L)` and whether
-    each is an outlier cluster `(rows, L)` (`select_clusters`): the `width` most massive ordinary
-    clusters, with the outlier clusters right after the first."""
-    n_clusters = log_mass.shape[-1]
+def _candidates(log_mass, heads, stacked, counts, width, n_queries):
+    """Each row's candidates in the walk's order `(rows, L)`, their sizes in `counts` `(rows,
+    L)` and whether each is an outlier cluster `(rows, L)` (`select_clusters`): the `width` most
+    massive ordinary clusters, with the outlier clusters right after the first."""
     exact_read = _per_row(heads.exact_read, n_queries)
-    width = walk_width(stacked.average, budget_keys, n_clusters)
     best = _most_massive(log_mass.masked_fill(exact_read, -math.inf), width)
-    sizes = _per_row(stacked.ordinary_counts, n_queries).gather(1, best)
+    row_counts = _per_row(counts, n_queries)
+    sizes = row_counts.masked_fill(exact_read, 0).gather(1, best)
     is_forced = torch.zeros_like(best, dtype=torch.bool)
     if stacked.forced.shape[1]:
         forced = _per_row(stacked.forced, n_queries)
-        forced_sizes = _per_row(stacked.forced_sizes, n_queries)
+        forced_sizes = row_counts.gather(1, forced) * exact_read.gather(1, forced)
         best = torch.cat([best[:, :1], forced, best[:, 1:]], dim=1)
         sizes = torch.cat([sizes[:, :1], forced_sizes, sizes[:, 1:]], dim=1)
         flagged = torch.ones_like(forced, dtype=torch.bool)
@@ -261,26 +294,29 @@ def _walk(sizes: torch.Tensor, budget_keys: float) -> torch.Tensor:
     return taken
 
 
-def _exact_parts(qw, heads, stacked, candidates, read, forced, budget_keys):
+def _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions):
     """The exact attention of each query over the keys of the candidates it reads, ordinary and
-    outlier clusters apart: `out (2, rows, dv)`, `lse (2, rows)` (`(0, -inf)` where a query read
-    nothing in a part). Slot s of a row holds the key at position s of its chosen clusters'
-    keys laid one after another."""
+    outlier clusters apart: `[(out (rows, dv), lse (rows,))] * 2` (`(0, -inf)` where a query read
+    nothing in a part). Slot s of a row holds the key at position s of its chosen clusters' key
+    positions (`spans` each) laid one after another; the always keys among them (`positions`)
+    are left out, read apart."""
     n_heads, n_queries, dim = qw.shape
     n_rows, width = candidates.shape
-    slots = n_slots(stacked, budget_keys)
-    ends = read.long().cumsum(1)  # (rows, L): where each candidate's keys end among the slots
+    ends = spans.long().cumsum(1)  # (rows, L): where each candidate's keys end among the slots
     slot = torch.arange(slots, device=qw.device).expand(n_rows, -1).contiguous()
     which = torch.searchsorted(ends, slot, right=True)  # the candidate holding each slot
     filled = which < width
     which = which.clamp_max(width - 1)
     cluster = candidates.gather(1, which)
-    within = slot - (ends.gather(1, which) - read.long().gather(1, which))
+    within = slot - (ends.gather(1, which) - spans.long().gather(1, which))
     first = _per_row(stacked.offsets, n_queries).gather(1, cluster)
     n_keys = stacked.keys.shape[1]
-    head = torch.arange(n_heads, device=qw.device).view(-1, 1, 1).expand(-1, n_queries, 1)
-    head = head.reshape(n_rows, 1)
+    head = _row_heads(n_heads, n_queries, qw.device).unsqueeze(-1)
     position = torch.where(filled, first + within, 0) + head * n_keys
+    if positions is not None:
+        is_always = torch.zeros(n_heads, n_keys, dtype=torch.bool, device=qw.device)
+        is_always.scatter_(1, positions, True)
+        filled = filled & ~is_always.flatten()[position]
     keys = stacked.keys.flatten(0, 1)[position]  # (rows, slots, d)
     values = stacked.values.flatten(0, 1)[position]  # (rows, slots, dv)
     queries = qw.reshape(n_rows, dim, 1)
@@ -292,7 +328,22 @@ def _exact_parts(qw, heads, stacked, candidates, read, forced, budget_keys):
     finite = lse.nan_to_num(0.0, 0.0, 0.0)
     weights = (logits - finite.unsqueeze(-1)).exp()
     out = (weights.unsqueeze(2) @ values).squeeze(2)
-    return out, lse
+    return [(out[0], lse[0]), (out[1], lse[1])]
+
+
+def _always_part(qw, heads, stacked, positions):
+    """Exact attention `(out (rows, dv), lse (rows,))` of every head's queries over its always
+    keys (sorted `positions` `(H, A)`), as the batched stages read them."""
+    dim, value_dim = stacked.keys.shape[-1], stacked.values.shape[-1]
+    keys = stacked.keys.gather(1, positions.unsqueeze(-1).expand(-1, -1, dim))
+    values = stacked.values.gather(1, positions.unsqueeze(-1).expand(-1, -1, value_dim))
+    out, lse = softmax_attend(heads.geometry.score(qw, keys), values)
+    return out.flatten(0, 1), lse.flatten(0, 1)
+
+
+def _row_heads(n_heads: int, n_queries: int, device: torch.device) -> torch.Tensor:
+    """Each row's head `(H * nq,)`."""
+    return torch.arange(n_heads, device=device).view(-1, 1).expand(-1, n_queries).flatten()
 
 
 def _flags(candidates: torch.Tensor, chosen: torch.Tensor, n_clusters: int) -> torch.Tensor:
