@@ -283,15 +283,16 @@ def _candidates(log_mass, heads, stacked, counts, width, n_queries):
 
 def _walk(sizes: torch.Tensor, budget_keys: float) -> torch.Tensor:
     """`select_clusters`'s walk over the candidates' sizes `(rows, L)`: whether each is read,
-    the first whatever its size, each other if it still fits in the budget (sizes 0 never)."""
-    taken = sizes > 0
+    the first whatever its size, each other if it still fits in the budget (sizes 0 never).
+    Three operations per candidate (a size of 0 made infinite never fits)."""
+    fitting = torch.where(sizes > 0, sizes, math.inf)
     remaining = budget_keys - sizes[:, 0]
+    taken = [sizes[:, 0] > 0]
     for column in range(1, sizes.shape[1]):
-        size = sizes[:, column]
-        fits = (size <= remaining) & (size > 0)
-        taken[:, column] = fits
-        remaining = remaining - size * fits
-    return taken
+        fits = fitting[:, column] <= remaining
+        remaining = remaining - torch.where(fits, sizes[:, column], 0)
+        taken.append(fits)
+    return torch.stack(taken, dim=1)
 
 
 def _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions):
