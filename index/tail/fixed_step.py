@@ -1,6 +1,6 @@
 """A decode step's tail attention for the dot product on a CUDA GPU: every stage in tensor
-operations of shapes fixed by the clusters and the budget, captured once as a CUDA graph and
-replayed (docs/indexes.md, "The decode step on a GPU").
+operations of shapes fixed by the clusters, the budget and the number of `always` keys, captured
+once as a CUDA graph and replayed (docs/indexes.md, "The decode step on a GPU").
 
 Through the batched stages of `tail_attention_heads` a decode step on a GPU is bound by kernel
 launches and by the host reading tensors (`nonzero`, `.item()`, sizes that depend on the data),
@@ -12,8 +12,9 @@ values:
 - selection: `selection.select_clusters`'s walk, as a mask over its `width` candidates (plus the
   outlier clusters, `exact_read`, right after the first) instead of a list of pairs;
 - exact part: each query's keys as `slots` positions, the keys of its chosen clusters one after
-  another (`slots`: the most a query can read, the budget or the largest cluster), gathered and
-  attended with a mask; the outlier clusters' keys apart, as `exact._visited_apart` keeps them;
+  another (`n_slots`: the most its chosen clusters can span), gathered and attended with a
+  mask; the outlier clusters' keys apart, as `exact._visited_apart` keeps them, and the `always`
+  keys in a part of their own, as the batched stages read them;
 - calibration: `calibration.calibrated`'s Newton steps over the `(rows, clusters)` tables,
   masked to the ordinary clusters each query read;
 - unread: `unread._tail_estimate`, the value shift over every cluster with the ones it leaves
@@ -242,9 +243,9 @@ def _step(heads, stacked, budget_keys, width, qw, counts, positions):
     taken = _walk(sizes, budget_keys)
     read = sizes * taken  # each candidate's keys read, 0 if not taken
     # The key positions each taken candidate spans, the always keys among them included.
-    spans = read if positions is None else heads.counts.flatten().take(
-        candidates + _row_heads(n_heads, n_queries, qw.device).unsqueeze(-1) * n_clusters
-    ) * taken  # fmt: skip
+    spans = read
+    if positions is not None:
+        spans = _per_row(heads.counts, n_queries).gather(1, candidates) * taken
     n_always = 0 if positions is None else positions.shape[1]
     slots = n_slots(stacked, budget_keys, n_always)
     parts = _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions)
