@@ -247,7 +247,7 @@ def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(
 
     heads, centres = _decode_heads_on_cuda()
     n_keys = heads.heads[0].n_keys
-    if always is not None:  # a service's sinks and window, as it sends them each step
+    if always is not None:  # sinks and a window, as a service request may ask for them
         always = torch.cat([torch.arange(4), torch.arange(n_keys - 64, n_keys)]).to(CUDA)
     captured = []
     capture = fixed_module._captured
