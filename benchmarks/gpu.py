@@ -36,6 +36,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 from torch.nn import functional as F
@@ -196,13 +197,19 @@ def decode_records(
     methods = {"sdpa": sdpa_step} | dict.fromkeys(settings, tail_step)
     times = {name: [] for name in methods}
     outputs = {}
+
+    def set_for(name: str):
+        """The fixed-shape step's settings of method `name`, for the block."""
+        values = settings.get(name)
+        return patch.multiple(fixed_step_module, **values) if values else contextlib.nullcontext()
+
     with torch.no_grad():
         for name, fn in methods.items():  # untimed first calls (the graph's capture)
-            with patched(fixed_step_module, **settings.get(name, {})):
+            with set_for(name):
                 outputs[name] = fn(0)
         for step in range(steps):
             for name, fn in methods.items():
-                with patched(fixed_step_module, **settings.get(name, {})):
+                with set_for(name):
                     times[name].append(seconds(lambda fn=fn, step=step: fn(step)))
         exact = dense_attention(step_queries(0), keys, values, geometry)[0]
     median = {name: statistics.median(values) for name, values in times.items()}
@@ -224,19 +231,6 @@ def decode_records(
         records.append(record)
         print(json.dumps(record), flush=True)
     return records
-
-
-@contextlib.contextmanager
-def patched(module, **values):
-    """`module`'s attributes set to `values` for the block, restored after it."""
-    saved = {name: getattr(module, name) for name in values}
-    for name, value in values.items():
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def plot(records: list[dict], path: Path) -> None:

@@ -18,7 +18,10 @@ from rewa.index import (
     tail_attention_heads_with_reads,
     tail_attention_with_reads,
 )
+from rewa.index.tail import decode as decode_module
+from rewa.index.tail import fixed_step as fixed_module
 from tests.support import FUSED, build_geometry, ivf_list_attention
+from tests.test_tail_decode import _queries, _stack
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -213,8 +216,6 @@ def test_ivf_lists_trained_on_cuda_find_the_neighbours():
 def _decode_heads_on_cuda():
     """The compiled step's test clusters (3 heads of different cluster counts, outlier clusters)
     loaded on the GPU with one geometry, and their centres."""
-    from tests.test_tail_decode import _stack
-
     heads, centres = _stack(torch.float32)
     geometry = copy.deepcopy(heads.geometry).to(CUDA)
     on_cuda = [
@@ -241,10 +242,6 @@ def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(
     step, captured as a CUDA graph at the first call and replayed with the next queries, answers
     as its operations launched one by one, and as the batched stages up to the value shift's
     bfloat16 rounding."""
-    from rewa.index.tail import decode as decode_module
-    from rewa.index.tail import fixed_step as fixed_module
-    from tests.test_tail_decode import _queries
-
     heads, centres = _decode_heads_on_cuda()
     n_keys = heads.heads[0].n_keys
     if always is not None:  # sinks and a window, as a service request may ask for them
@@ -276,8 +273,6 @@ def test_a_decode_step_on_cuda_replays_one_graph_with_the_batched_answers(
 
 def test_a_decode_step_on_cuda_keeps_its_answers_after_the_next_replay():
     """The graph writes its outputs in place at each replay: an answer is a copy."""
-    from tests.test_tail_decode import _queries
-
     heads, centres = _decode_heads_on_cuda()
     with torch.no_grad():
         first = tail_attention_heads_with_reads(_queries(centres, 2, seed=5).to(CUDA), heads)

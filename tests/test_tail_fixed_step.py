@@ -85,12 +85,12 @@ def test_the_fixed_step_with_always_keys_equals_the_batched_stages(
 def test_the_slots_hold_every_key_a_query_reads():
     """The exact part's slots: the budget, or the largest cluster where it is larger."""
     heads, _ = _stack(torch.float64)
-    stacked = fixed_module._stacked(heads)
-    largest = int(heads.counts.max())
-    assert fixed_module.n_slots(stacked, 10.5) == largest
-    assert fixed_module.n_slots(stacked, largest + 100.7) == largest + 100
+    largest = fixed_module._largest(heads)
+    assert largest == int(heads.counts.max())
+    assert fixed_module.n_slots(largest, 10.5) == largest
+    assert fixed_module.n_slots(largest, largest + 100.7) == largest + 100
     # Always keys inside the chosen clusters take slots without being read there.
-    assert fixed_module.n_slots(stacked, largest + 100.7, n_always=9) == largest + 109
+    assert fixed_module.n_slots(largest, largest + 100.7, n_always=9) == largest + 109
 
 
 def test_the_walk_takes_the_first_candidate_and_then_what_fits():

@@ -33,7 +33,7 @@ from .calibration import CALIBRATION_STEPS
 from .exact import _needs_grad
 from .kernel import _compiled, _estimate_rows, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
-from .selection import average_size, walk_width
+from .selection import ordinary_average, walk_width
 from .threads import spread
 from .unread import SHIFT_NEGLIGIBLE
 
@@ -91,7 +91,7 @@ def _head_arrays(heads: ClusterHeads) -> _HeadArrays:
                 clusters.value_mean.numpy(), clusters.value_cross.numpy(),
                 clusters.offsets.numpy(), clusters.keys_w.numpy(), clusters.values.numpy(),
             ))  # fmt: skip
-        average = average_size(heads.counts.masked_fill(heads.exact_read, 0))
+        average = ordinary_average(heads.counts, heads.exact_read)
         found = heads.derived[__name__] = _HeadArrays(per_head, average)
     return found
 

@@ -40,8 +40,8 @@ from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
 from .estimate import _estimate_heads
 from .exact import _needs_grad
-from .selection import _most_massive, average_size, walk_width
-from .unread import SHIFT_NEGLIGIBLE, shift_dtype
+from .selection import _most_massive, ordinary_average, walk_width
+from .unread import shift_dtype, shift_shares, unread_weights
 
 # The most queries per head a fixed step answers: a decode step's few (grouped-query attention
 # included); blocks of more go through the batched stages, whose selection lists pairs.
@@ -65,10 +65,8 @@ class _Stacked(NamedTuple):
     - `forced` `(H, F)`: each head's outlier clusters in ascending order, padded with ordinary
       clusters (read as size 0: never) to the most of any head, F;
     - `value_cross` `(H, C, D dv)`: the key-value cross-covariances in `shift_dtype`;
-    - `shift_share` `(H, 1, 1)`: the share of a query's whole mass below which the value shift
-      leaves a cluster out, `SHIFT_NEGLIGIBLE / nc` per head;
-    - `average`: the average size of an ordinary cluster (as `select_clusters` computes it);
-    - `largest`: the size of the largest cluster."""
+    - `shift_share` `(H, 1, 1)`: `unread.shift_shares`;
+    - `average`: the average size of an ordinary cluster (as `select_clusters` computes it)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -78,7 +76,6 @@ class _Stacked(NamedTuple):
     value_cross: torch.Tensor
     shift_share: torch.Tensor
     average: float
-    largest: int
 
 
 def fixed_shape_step_applies(
@@ -98,15 +95,23 @@ def fixed_shape_step_applies(
         and not _needs_grad(qw, heads.geometry)
     ):
         return False
-    slots = n_slots(_stacked(heads), budget_keys, n_always)
+    slots = n_slots(_largest(heads), budget_keys, n_always)
     return qw.shape[0] * qw.shape[1] * slots * qw.shape[2] <= MAX_GATHERED_ELEMENTS
 
 
-def n_slots(stacked: _Stacked, budget_keys: float, n_always: int = 0) -> int:
+def n_slots(largest: int, budget_keys: float, n_always: int = 0) -> int:
     """The most key positions a query's chosen clusters span within `budget_keys`: the budget,
-    or the largest cluster (the most massive is read whatever its size, and then nothing else
-    fits), and the `n_always` keys among them, which are read apart."""
-    return max(int(budget_keys), stacked.largest, 1) + n_always
+    or the `largest` cluster's size (the most massive is read whatever its size, and then
+    nothing else fits), and the `n_always` keys among them, which are read apart."""
+    return max(int(budget_keys), largest, 1) + n_always
+
+
+def _largest(heads: ClusterHeads) -> int:
+    """The size of the largest cluster of `heads`, found once and kept in `heads.derived`."""
+    key = f"{__name__}.largest"
+    if key not in heads.derived:
+        heads.derived[key] = int(heads.counts.max())
+    return heads.derived[key]
 
 
 def fixed_shape_step(
@@ -126,16 +131,16 @@ def fixed_shape_step(
         raise ValueError(f"expected a positive budget of keys, got {budget_keys}")
     stacked = _stacked(heads)
     qw = qw.to(heads.counts.dtype)
-    counts, positions, average = heads.counts, None, stacked.average
+    counts, positions, average = None, None, stacked.average  # counts None: heads.counts
     if always is not None and always.numel() > 0:
         # The always keys' sorted positions per head, and the cluster sizes without them.
         positions = stacked.position[:, always.to(qw.device)]
         cluster = torch.searchsorted(stacked.offsets, positions, right=True) - 1
-        removed = torch.zeros_like(counts).scatter_add_(
-            1, cluster, torch.ones_like(positions, dtype=counts.dtype)
+        removed = torch.zeros_like(heads.counts).scatter_add_(
+            1, cluster, torch.ones_like(positions, dtype=heads.counts.dtype)
         )
-        counts = counts - removed
-        average = average_size(counts.masked_fill(heads.exact_read, 0))
+        counts = heads.counts - removed
+        average = ordinary_average(counts, heads.exact_read)
     width = walk_width(average, budget_keys, heads.n_clusters)
     inputs = (qw, counts, positions)
     if qw.device.type != "cuda" or not USE_GRAPHS:
@@ -215,8 +220,6 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
     )
     for head, c in enumerate(clusters):
         cross[head, : c.n_clusters] = c.value_cross.flatten(1).to(dtype)
-    share = [SHIFT_NEGLIGIBLE / max(c.n_clusters, 1) for c in clusters]
-    share = torch.tensor(share, dtype=heads.counts.dtype, device=keys.device).view(-1, 1, 1)
     found = heads.derived[__name__] = _Stacked(
         keys=keys,
         values=values,
@@ -224,18 +227,18 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
         position=position,
         forced=forced,
         value_cross=cross,
-        shift_share=share,
-        average=average_size(heads.counts.masked_fill(exact_read, 0)),
-        largest=int(heads.counts.max()),
+        shift_share=shift_shares(heads),
+        average=ordinary_average(heads.counts, exact_read),
     )
     return found
 
 
 def _step(heads, stacked, budget_keys, width, qw, counts, positions):
     """The stages on fixed shapes (module docstring): `(out, lse, keys_read)` of the queries
-    `qw` `(H, nq, d)` with the clusters' sizes `counts` `(H, C)` (without the always keys) and
-    the always keys' sorted positions `positions` `(H, A)` or None."""
+    `qw` `(H, nq, d)` with the clusters' sizes `counts` `(H, C)` without the always keys (None:
+    `heads.counts`) and the always keys' sorted positions `positions` `(H, A)` or None."""
     n_heads, n_queries = qw.shape[:2]
+    counts = heads.counts if counts is None else counts
     estimate = _estimate_heads(qw, heads, counts)
     rows = estimate.rows()
     n_clusters = rows.log_mass.shape[-1]
@@ -247,7 +250,7 @@ def _step(heads, stacked, budget_keys, width, qw, counts, positions):
     if positions is not None:
         spans = _per_row(heads.counts, n_queries).gather(1, candidates) * taken
     n_always = 0 if positions is None else positions.shape[1]
-    slots = n_slots(stacked, budget_keys, n_always)
+    slots = n_slots(_largest(heads), budget_keys, n_always)
     parts = _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions)
     if positions is not None:
         parts.append(_always_part(qw, heads, stacked, positions))
@@ -304,13 +307,14 @@ def _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions
     are left out, read apart."""
     n_heads, n_queries, dim = qw.shape
     n_rows, width = candidates.shape
-    ends = spans.long().cumsum(1)  # (rows, L): where each candidate's keys end among the slots
+    spans = spans.long()
+    ends = spans.cumsum(1)  # (rows, L): where each candidate's keys end among the slots
     slot = torch.arange(slots, device=qw.device).expand(n_rows, -1).contiguous()
     which = torch.searchsorted(ends, slot, right=True)  # the candidate holding each slot
     filled = which < width
     which = which.clamp_max(width - 1)
     cluster = candidates.gather(1, which)
-    within = slot - (ends.gather(1, which) - spans.long().gather(1, which))
+    within = slot - (ends.gather(1, which) - spans.gather(1, which))
     first = _per_row(stacked.offsets, n_queries).gather(1, cluster)
     n_keys = stacked.keys.shape[1]
     head = _row_heads(n_heads, n_queries, qw.device).unsqueeze(-1)
@@ -326,9 +330,10 @@ def _exact_parts(qw, heads, stacked, candidates, spans, forced, slots, positions
     outlying = forced.gather(1, which)
     parts = torch.stack([filled & ~outlying, filled & outlying])  # (2, rows, slots)
     logits = logits.expand(2, -1, -1).masked_fill(~parts, -math.inf)
+    # Normalised by the log-sum-exp, not by `softmax_attend`'s peak and sum: half as many
+    # operations, each one a kernel of the replayed graph.
     lse = logits.logsumexp(-1)
-    finite = lse.nan_to_num(0.0, 0.0, 0.0)
-    weights = (logits - finite.unsqueeze(-1)).exp()
+    weights = (logits - lse.nan_to_num(0.0, 0.0, 0.0).unsqueeze(-1)).exp()
     out = (weights.unsqueeze(2) @ values).squeeze(2)
     return [(out[0], lse[0]), (out[1], lse[1])]
 
@@ -379,14 +384,10 @@ def _calibrated(log_mass, floor, ordinary, target):
 def _unread(heads, stacked, log_mass, slope, a, read_lse):
     """`unread._tail_estimate` of the unread clusters' `log_mass` `(H, nq, C)`: `(out (H * nq,
     dv), lse (H * nq,))`, the value shift over every cluster (those it leaves out at weight 0)."""
-    peak = log_mass.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, 0)
-    weights = (log_mass - peak).exp()
-    total = weights.sum(-1)
+    peak, weights, total, kept = unread_weights(log_mass, read_lse, stacked.shift_share)
     out = weights @ heads.value_mean
-    whole = total + (read_lse - peak.squeeze(-1)).exp()
-    kept = (weights >= whole.unsqueeze(-1) * stacked.shift_share).any(1, keepdim=True)
-    shifted = (weights * kept * slope).to(stacked.value_cross.dtype) @ stacked.value_cross
+    cross = stacked.value_cross
+    shifted = (weights * kept.unsqueeze(1) * slope).to(cross.dtype) @ cross
     shifted = shifted.view(*a.shape, -1).to(out.dtype)  # (H, nq, D, dv)
     out = out + (a.unsqueeze(2) @ shifted).squeeze(2)
     out = out / torch.where(total > 0, total, 1).unsqueeze(-1)

@@ -78,6 +78,12 @@ def average_size(counts: torch.Tensor) -> float:
     return float(counts.sum()) / max(int((counts > 0).sum()), 1)
 
 
+def ordinary_average(counts: torch.Tensor, exact_read: torch.Tensor) -> float:
+    """The average size of the non-empty clusters outside `exact_read` (the `average_size`
+    the walk's width is made from in `select_clusters`)."""
+    return average_size(counts.masked_fill(exact_read, 0))
+
+
 def walk_width(average: float, budget_keys: float, n_columns: int) -> int:
     """How many of a query's most massive clusters the greedy walk looks at: twice as many as
     `budget_keys` holds at the `average` cluster size, plus a few (at most `n_columns`)."""

@@ -46,22 +46,40 @@ def _tail_estimate(
     cross-covariances are most of the statistics' memory). For a decode step's few queries a
     compiled loop reads each kept cluster's cross-covariance once in place instead
     (`_compiled_shift_applies`)."""
-    peak = log_mass.amax(-1, keepdim=True)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    weights = (log_mass - peak).exp_()  # unnormalised; rows of only -inf give 0
-    total = weights.sum(-1)
+    peak, weights, total, kept = unread_weights(log_mass, read_lse, shift_shares(heads))
     out = weights @ heads.value_mean
     dtype = shift_dtype(weights.dtype, weights.device)
-    whole = total if read_lse is None else total + (read_lse - peak.squeeze(-1)).exp()
-    head_clusters = weights.new_tensor(heads.head_clusters).view(-1, 1, 1)
-    floor = whole.unsqueeze(-1) * (SHIFT_NEGLIGIBLE / head_clusters)
-    kept = (weights >= floor).any(1)  # (H, C)
     if _compiled_shift_applies(weights, dtype, shift_terms):
         value_shift_sums(heads.heads, weights, kept, shift_terms, out)
     else:
         _add_value_shift(heads, weights, kept, shift_terms, dtype, out)
     out = out / torch.where(total > 0, total, 1).unsqueeze(-1)
     return out.flatten(0, 1), (peak.squeeze(-1) + total.log()).flatten(0, 1)
+
+
+def unread_weights(
+    log_mass: torch.Tensor, read_lse: torch.Tensor | None, shares: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The unread clusters' weights from their `log_mass` `(H, nq, C)`: `(peak (H, nq, 1),
+    weights (H, nq, C) relative to the peak (rows of only -inf give 0), total (H, nq), kept
+    (H, C))`, `kept` the clusters the value shift reads, those whose weight is at least
+    `shares` `(H, 1, 1)` (`shift_shares`) of some query's whole mass (theirs plus `read_lse`
+    `(H, nq)`, the log-mass of the keys it read exactly, if given)."""
+    peak = log_mass.amax(-1, keepdim=True)
+    peak = torch.where(torch.isfinite(peak), peak, 0)
+    weights = (log_mass - peak).exp_()
+    total = weights.sum(-1)
+    whole = total if read_lse is None else total + (read_lse - peak.squeeze(-1)).exp()
+    kept = (weights >= whole.unsqueeze(-1) * shares).any(1)
+    return peak, weights, total, kept
+
+
+def shift_shares(heads: ClusterHeads) -> torch.Tensor:
+    """Per head `(H, 1, 1)`, `SHIFT_NEGLIGIBLE / nc`: the share of a query's whole mass below
+    which the value shift leaves a cluster of that head out."""
+    counts = heads.counts
+    clusters = torch.tensor(heads.head_clusters, dtype=counts.dtype, device=counts.device)
+    return (SHIFT_NEGLIGIBLE / clusters).view(-1, 1, 1)
 
 
 def _add_value_shift(
