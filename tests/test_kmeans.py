@@ -165,7 +165,7 @@ def test_retrieval_over_an_index_trained_in_pytorch_matches_faiss_training(monke
 
 
 def test_tail_clusters_trained_in_pytorch_estimate_as_well(monkeypatch):
-    """KeyClusters built with PyTorch's k-means and assignment (forced here on the CPU) give
+    """KeyClusters built with PyTorch's k-means (forced here on the CPU) give
     tail attention as accurate as with FAISS's, on overlapping clusters where the estimate
     carries a visible error."""
     from benchmarks.data import overlapping
@@ -192,6 +192,25 @@ def test_tail_clusters_trained_in_pytorch_estimate_as_well(monkeypatch):
     assert errors[0].median() > 1e-3  # an error to compare
     assert errors[1].median() <= 1.3 * errors[0].median()
     assert errors[1].quantile(0.99) <= 1.3 * errors[0].quantile(0.99)
+
+
+def test_tail_nearest_centres_are_those_of_faiss_flat_search():
+    """The tail build's nearest centres (`clusters._nearest`, PyTorch's products) are the ones
+    FAISS's exact flat search finds, so a build's clusters did not change when it stopped
+    using FAISS for them; the distances are to those centres, in the points' dtype."""
+    from rewa.index import clusters
+
+    generator = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        points = torch.randn(5000, 12, generator=generator, dtype=dtype)
+        centres = torch.randn(300, 12, generator=generator, dtype=dtype)
+        labels, distance = clusters._nearest(points, centres)
+        flat = faiss.IndexFlatL2(12)
+        flat.add(centres.float().numpy())
+        _, found = flat.search(points.float().numpy(), 1)
+        assert torch.equal(labels, torch.from_numpy(found[:, 0]).long())
+        assert distance.dtype == dtype
+        assert torch.allclose(distance, (points - centres[labels]).norm(dim=-1))
 
 
 @pytest.mark.parametrize("n", [0, 1, 100])
