@@ -1,8 +1,9 @@
 """k-means and nearest-centroid assignment in PyTorch, on the points' device: what the IVF lists
-(`faiss_index.LiftIndex`) are trained and filled with on the CPU and on a GPU, and what the
-tail clusters (`clusters.KeyClusters`) are trained and assigned with on every device
-(docs/indexes.md, "IVF lists on a GPU", "IVF lists trained in PyTorch"; docs/benchmark-notes.md,
-"The tail build's nearest centres by PyTorch products (issue 23)").
+(`faiss_index.LiftIndex`) are trained and filled with on the CPU and on a GPU, what the tail
+clusters (`clusters.KeyClusters`) are trained with on a GPU when the FAISS build has no GPU
+support (`on_device`), instead of copying the points to the CPU for FAISS, and how the tail's
+keys find their nearest centres everywhere (docs/indexes.md, "IVF lists on a GPU", "IVF lists
+trained in PyTorch").
 
 The algorithm is FAISS's `Clustering` with the settings rewa gives it: a seeded sample of at
 most `max_points_per_centroid` points per centroid, centroids started at distinct sample points,

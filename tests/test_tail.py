@@ -237,15 +237,12 @@ def test_tail_beats_exact_only_sparse_attention_at_the_same_keys_read(make_data)
     with torch.no_grad():
         reference = dense_attention(queries, data.k, data.v, g)
         clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=256)
-        results, keys_read = {}, {}
+        results = {}
         for tail in (False, True):
             result = tail_attention_with_reads(queries, clusters, budget=0.02, tail=tail)
             results[tail] = quality(result.out, result.lse, *reference, result.keys_read, 8192)
-            keys_read[tail] = result.keys_read
     print(f"\n{data.name} N=8192, 2% of keys: exact-only {results[False]}, tail {results[True]}")
-    assert torch.equal(keys_read[True], keys_read[False])
-    # Within the budget, but a query's most massive cluster is read whatever its size.
-    assert (keys_read[True] <= max(0.02 * 8192, clusters.offsets.diff().max())).all()
+    assert results[True]["keys_read_frac"] == results[False]["keys_read_frac"] <= 0.02
     assert results[True]["err_median"] < results[False]["err_median"]
     assert results[True]["lse_abs_err_median"] < results[False]["lse_abs_err_median"]
 
@@ -478,7 +475,7 @@ def test_the_estimates_rank_the_true_cluster_masses():
     data = clustered(8192)
     g = data.geometry()
     clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=32)  # the data's 32
-    queries = data.q[:64]
+    queries = data.q[:32]
     with torch.no_grad():
         estimate = estimate_clusters(queries, clusters).log_mass
         logits = g.logits(queries, data.k)[:, clusters.order]
@@ -494,10 +491,7 @@ def test_the_estimates_rank_the_true_cluster_masses():
     finite = torch.isfinite(exact)
     correlation = torch.corrcoef(torch.stack([estimate[finite], exact[finite]]))[0, 1]
     assert correlation > 0.95
-    # The cluster the estimate ranks first holds nearly the most mass: k-means may split a
-    # topic in two clusters of about equal mass, where either is a right first.
-    first = exact.gather(-1, estimate.argmax(-1, keepdim=True)).squeeze(-1)
-    assert (first >= exact.amax(-1) - 1.0).float().mean() >= 0.9
+    assert (estimate.argmax(-1) == exact.argmax(-1)).float().mean() > 0.9
 
 
 def test_bad_inputs_are_rejected():
@@ -615,15 +609,13 @@ def test_reading_far_keys_exactly_lowers_the_error_of_heavy_tailed_clusters():
     with torch.no_grad():
         expected = dense_attention(q, k, v, g)
         errors = {}
-        # Without the outlier cluster at a larger budget, so that the comparison is at no more
-        # keys read with it than without (the outlier cluster is read beside the budget's
-        # clusters where the budget holds it, so at one budget it may read a little more).
-        for outliers, budget in ((0.0, 0.06), (0.01, 0.05)):
+        for outliers in (0.0, 0.01):
             clusters = _clusters(k, v, g, n_clusters=40, outliers=outliers)
-            result = tail_attention_with_reads(q, clusters, budget=budget)
+            result = tail_attention_with_reads(q, clusters, budget=0.05)
             errors[outliers] = quality(result.out, result.lse, *expected, result.keys_read, 2000)
-    print(f"\nplanted far keys: without (6 %) {errors[0.0]}, with (5 %) {errors[0.01]}")
-    assert errors[0.01]["keys_read_frac"] <= errors[0.0]["keys_read_frac"] <= 0.06
+    print(f"\nplanted far keys, 5 % read: without {errors[0.0]}, with {errors[0.01]}")
+    # The comparison is at no more keys read with the outliers than without.
+    assert errors[0.01]["keys_read_frac"] <= errors[0.0]["keys_read_frac"] <= 0.05
     assert errors[0.01]["err_median"] < 0.5 * errors[0.0]["err_median"]
     assert errors[0.01]["lse_abs_err_median"] < 0.5 * errors[0.0]["lse_abs_err_median"]
 
@@ -647,14 +639,8 @@ def test_a_cluster_of_identical_keys_has_finite_statistics():
     others = blobs.repeat_interleave(60, 0) + torch.randn(420, 32, generator=generator)
     keys = torch.cat([shared, others])
     g = make_geometry("dot", 32)
-    # Pieces of at most 12 keys: the copies, never cut apart (equal projections), fill one.
     clusters = KeyClusters.build(
-        keys,
-        torch.randn(len(keys), 4, generator=generator),
-        g,
-        n_clusters=16,
-        max_cluster_keys=12,
-        outliers=0.0,
+        keys, torch.randn(len(keys), 4, generator=generator), g, n_clusters=16, outliers=0.0
     )
     own = [
         c

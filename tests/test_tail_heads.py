@@ -22,7 +22,6 @@ from rewa.index.tail import decode as decode_module
 from rewa.index.tail import estimate as estimate_module
 from rewa.index.tail import exact as exact_module
 from rewa.index.tail import select_clusters
-from rewa.index.tail import selection as selection_module
 from rewa.index.tail import unread as unread_module
 from tests.support import build_geometry
 
@@ -193,7 +192,7 @@ def _features(geometry, witnesses):
     return query_features(geometry.lift(witnesses, "query"))
 
 
-def test_stacked_selection_equals_the_selection_of_each_head(monkeypatch):
+def test_stacked_selection_equals_the_selection_of_each_head():
     geometry = make_geometry("dot", DIM).double()
     queries, _, _, clusters = _heads(geometry)
     heads = ClusterHeads.stacked(clusters)
@@ -208,9 +207,7 @@ def test_stacked_selection_equals_the_selection_of_each_head(monkeypatch):
     counts = heads.counts.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
     flags = exact_read.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
     # 60 keys: some heads' most massive clusters alone exceed it (read anyway, and then no
-    # flagged one fits). Every cluster walked: how far down the estimate a query looks depends
-    # on the average cluster size, over the stacked heads when stacked (below).
-    monkeypatch.setattr(selection_module, "walk_width", lambda average, budget, n: n)
+    # flagged one fits).
     pair_row, pair_cluster = select_clusters(rows.log_mass, counts, 60, flags)
     for h, head_clusters in enumerate(clusters):
         n = head_clusters.n_clusters
@@ -221,7 +218,6 @@ def test_stacked_selection_equals_the_selection_of_each_head(monkeypatch):
         assert torch.equal(pair_row[mine] - h * n_queries, expected[0])
         assert torch.equal(pair_cluster[mine], expected[1])
         assert (pair_cluster[mine] < n).all()  # padding is never selected
-    monkeypatch.undo()
     # A budget that holds each most massive cluster and every flagged one: every query reads
     # them all. (How far down the estimate a query looks depends on the average cluster size,
     # over the stacked heads here, so the other clusters read may differ from one head's.)
