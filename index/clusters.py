@@ -575,8 +575,7 @@ def _refined(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     to it (kept where none is). k-means trains on a sample of 64 points per centroid; after
     this step the centroids are (close to) their clusters' means over every trained key, which
     the outlier distance is measured from."""
-    labels, _ = _nearest(points, centroids)
-    return cluster_means(points, labels, centroids)
+    return cluster_means(points, nearest_centroids(points, centroids), centroids)
 
 
 def _nearest(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
