@@ -1,9 +1,9 @@
 """The clustered representation of a context's keys behind cluster-tail attention
 (docs/mathematics.md 6, "Tail estimate").
 
-Keys are partitioned by k-means (FAISS, on the GPU when one is usable) on their exact lift
-vectors. Every estimate works in *feature space*: the lift similarity of a query and a key
-(`rewa.attention.geometry.lift_similarity`) is affine in a key feature vector `b(k)`,
+Keys are partitioned by k-means (FAISS's, computed in PyTorch on the keys' device) on their
+exact lift vectors. Every estimate works in *feature space*: the lift similarity of a query and a
+key (`rewa.attention.geometry.lift_similarity`) is affine in a key feature vector `b(k)`,
 `s = <a(q), b(k)> + c(q)`, per lift:
 
 - inner-product lift `(x_q, x_k)`: `a = x_q`, `b = x_k`, `c = 0`;
@@ -74,9 +74,8 @@ import torch
 
 from rewa.attention import Geometry, Lift
 
-from .faiss_index import faiss, faiss_device
 from .growth import retrains, trained_prefix
-from .kmeans import cluster_means, on_device
+from .kmeans import cluster_means
 from .kmeans import kmeans as torch_kmeans
 from .kmeans import nearest as nearest_centroids
 
@@ -203,7 +202,6 @@ class KeyClusters:
         outliers: float = DEFAULT_OUTLIERS,
         iterations: int = 10,
         seed: int = 0,
-        device: str | None = None,
     ) -> KeyClusters:
         """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
         statistics. `n_clusters` (k-means centres) defaults to ceil(n_t / 512) for the n_t
@@ -249,7 +247,7 @@ class KeyClusters:
                 else default_cluster_keys(prefix, features.shape[-1], values.shape[-1])
             )
         points = _points(lifts)
-        centroids = kmeans(points[:prefix], n_clusters, iterations, seed, device)
+        centroids = kmeans(points[:prefix], n_clusters, iterations, seed)
         centroids = _refined(points[:prefix], centroids.to(keys_w.device, dtype))
         labels, distance = _nearest(points, centroids)
         n_outliers = int(outliers * prefix)
@@ -542,27 +540,14 @@ class ClusterHeads:
         return sum(tensor.nbytes for tensor in stacked)
 
 
-def kmeans(
-    points: torch.Tensor, n_clusters: int, iterations: int, seed: int, device: str | None
-) -> torch.Tensor:
-    """FAISS k-means: the centroids `(n_clusters, P)` (float32, on the CPU); for points on a
-    GPU that FAISS cannot use, the same k-means in PyTorch there (`index/kmeans.py`)."""
-    if on_device(points, faiss_device(device)) and n_clusters > 1:
-        return torch_kmeans(points, n_clusters, iterations, seed, max_points_per_centroid=64)
-    x = np.ascontiguousarray(points.detach().to("cpu", torch.float32).numpy())
+def kmeans(points: torch.Tensor, n_clusters: int, iterations: int, seed: int) -> torch.Tensor:
+    """The k-means centroids `(n_clusters, P)` of `points` (float32, on the points' device):
+    `index/kmeans.py`, FAISS's k-means step by step with its random draws (the same centroids
+    as `faiss.Kmeans` up to float rounding) on a sample of 64 points per centre; one centre is
+    the mean of every point (docs/indexes.md, "IVF lists trained in PyTorch")."""
     if n_clusters == 1:
-        return torch.from_numpy(x.mean(0, keepdims=True))
-    clustering = faiss.Kmeans(
-        x.shape[1],
-        n_clusters,
-        niter=iterations,
-        seed=seed,
-        max_points_per_centroid=64,
-        min_points_per_centroid=1,
-        gpu=faiss_device(device) == "cuda",
-    )
-    clustering.train(x)
-    return torch.from_numpy(clustering.centroids.copy())
+        return points.detach().to(torch.float32).mean(0, keepdim=True)
+    return torch_kmeans(points, n_clusters, iterations, seed, max_points_per_centroid=64)
 
 
 def _points(lifts: list[Lift]) -> torch.Tensor:

@@ -29,17 +29,9 @@ from rewa.attention import Geometry, Lift
 
 from . import kmeans
 from .candidates import best_candidates
+from .faiss_lib import add_preassigned, faiss
 from .growth import retrains, trained_prefix
 from .option_checks import check_fraction, check_int, check_optional_bool
-
-try:
-    import faiss
-    from faiss.contrib.ivf_tools import add_preassigned
-except ImportError as error:  # rewa installed without its cpu or gpu extra
-    raise ImportError(
-        "rewa.index needs a FAISS build: pip install 'rewa[cpu]' (faiss-cpu) or 'rewa[gpu]' "
-        "(faiss-gpu-cu12)"
-    ) from error
 
 IndexKind = Literal["flat", "ivf", "hnsw"]
 

@@ -539,7 +539,6 @@ class Engine:
                 loaded.geometry.witness(loaded.keys[head, :sealed]),
                 loaded.values[head, :sealed],
                 loaded.geometry,
-                device=self.device.type,
             )
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, clusters.to_bytes())

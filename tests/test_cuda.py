@@ -162,6 +162,24 @@ def test_retrieval_attention_on_cuda_equals_the_cpu(index):
     torch.testing.assert_close(lse.cpu(), expected[1], **F32)
 
 
+def test_tail_clusters_built_on_cuda_are_the_cpus():
+    """k-means (index/kmeans.py, FAISS's draws) and the nearest centres on the GPU: the same
+    pieces, keys in the same order, as a build on the CPU (blobs far apart: no ties)."""
+    from benchmarks.data import clustered
+
+    data = clustered(16384)
+    g = data.geometry()
+    with torch.no_grad():
+        on_cpu = KeyClusters.build(g.witness(data.k), data.v, g)
+        on_cuda = KeyClusters.build(
+            g.to(CUDA).witness(data.k.to(CUDA)), data.v.to(CUDA), g.to(CUDA)
+        )
+    assert on_cuda.order.device.type == "cuda"
+    assert torch.equal(on_cuda.order.cpu(), on_cpu.order)
+    assert torch.equal(on_cuda.offsets.cpu(), on_cpu.offsets)
+    torch.testing.assert_close(on_cuda.centroids.cpu(), on_cpu.centroids, **F32)
+
+
 @pytest.mark.parametrize("name", ["dot", "poincare"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("top_k", [None, 32])
