@@ -520,7 +520,10 @@ def minilm_layers_section(result: dict) -> str:
         "windows of 512 through `EncoderMemory`, a memory at each of its 6 layers",
         "([llm.md](llm.md)). Relative error of each token's hidden state against exact "
         f"memories, over the windows from the {result['measured_from_window']}th on; "
-        "median / p99 after layers 1 and 6, and seconds per window.",
+        "median / p99 after layers 1 and 6, and seconds per window. The sparse modes' attends "
+        "wait for their memories' index extensions (`exact_while_building=0`), so that the "
+        "errors do not depend on the build thread's timing ([benchmark-notes.md]"
+        "(benchmark-notes.md#minilms-memories-wait-for-their-indexes)).",
         "",
         "| mode | after layer 1 | after layer 6 (final) | s per window |",
         "| --- | --- | --- | --- |",
