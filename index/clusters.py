@@ -772,32 +772,49 @@ class _PieceTrees:
         each trained key's piece `(n_t,)` in them (what `pieces_of` finds for these keys, without
         walking them down the cuts again): a set of more than `max_keys` keys (0: none is cut)
         is cut across its principal axis where ceil(m / max_keys) pieces in all still suffice
-        (`_split`), and each part cut again. The last group stays whole when `last_whole` (the
-        outliers)."""
+        (`_splits`), and each part cut again; the sets of one depth are cut in one batch. The
+        last group stays whole when `last_whole` (the outliers). Cuts and pieces are numbered
+        depth by depth (`canonical` puts them in order)."""
         axes, thresholds, children, pieces_group = [], [], [], []
         piece = torch.empty_like(labels)
+        roots = [0] * n_groups
 
-        def grow(rows: torch.Tensor, label: int, cut: bool = True) -> int:
-            split = _split(features[rows].double(), max_keys) if cut and max_keys else None
-            if split is None:
-                piece[rows] = len(pieces_group)
-                pieces_group.append(label)
-                return -len(pieces_group)  # piece len - 1
-            axis, threshold, second = split
-            node = len(axes)
-            axes.append(axis)
-            thresholds.append(threshold)
-            children.append([0, 0])
-            first_side = grow(rows[~second], label)
-            children[node] = [first_side, grow(rows[second], label)]
-            return node
+        def hang(place: tuple[int | None, int], code: int) -> None:
+            node, side = place  # (None, group): a group's root
+            if node is None:
+                roots[side] = code
+            else:
+                children[node][side] = code
 
         grouped = labels.argsort(stable=True)
         sizes = torch.bincount(labels, minlength=n_groups).tolist()
-        roots = []
-        for label, rows in enumerate(grouped.split(sizes)):
-            whole = last_whole and label == n_groups - 1
-            roots.append(grow(rows, label, cut=not whole))
+        # Sets of keys still to place: (rows, group, where they hang, whether they may be cut),
+        # one level of the trees at a time, every set of a level cut in one batch.
+        pending = [
+            (rows, label, (None, label), not (last_whole and label == n_groups - 1))
+            for label, rows in enumerate(grouped.split(sizes))
+        ]
+        while pending:
+            cuttable = [i for i, (*_, may_cut) in enumerate(pending) if may_cut and max_keys]
+            found = _splits(features, [pending[i][0] for i in cuttable], max_keys)
+            splits = dict(zip(cuttable, found, strict=True))
+            next_level = []
+            for i, (rows, label, place, _) in enumerate(pending):
+                split = splits.get(i)
+                if split is None:
+                    piece[rows] = len(pieces_group)
+                    pieces_group.append(label)
+                    hang(place, -len(pieces_group))  # piece len - 1
+                    continue
+                axis, threshold, second = split
+                node = len(axes)
+                axes.append(axis)
+                thresholds.append(threshold)
+                children.append([0, 0])
+                hang(place, node)
+                next_level.append((rows[~second], label, (node, 0), True))
+                next_level.append((rows[second], label, (node, 1), True))
+            pending = next_level
         dim = features.shape[-1]
         trees = cls(
             axis=torch.stack(axes) if axes else torch.zeros(0, dim, dtype=torch.float64),
@@ -967,35 +984,81 @@ def _cut_overfull(
 
 def _split(
     features: torch.Tensor, max_keys: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """How to cut a set of keys with `features` `(m, D)` (float64) in two: its principal axis,
-    the threshold between two consecutive projections where the gap times the keys on the
-    smaller side is largest, among the places that leave ceil(m / max_keys) pieces in all
-    (docs/mathematics.md 6, "Pieces"), and which keys take the second side; None when the set
-    fits or cannot be cut (every projection equal)."""
-    m = features.shape[0]
-    n_pieces = -(-m // max_keys)
-    if n_pieces <= 1:
-        return None
-    axis = _principal_axis(features - features.mean(0))
-    projection = (features * axis).sum(-1)  # as `_PieceTrees.pieces_of` computes it
-    ascending = projection.sort().values
-    steps = (ascending.diff() > 0).nonzero().squeeze(-1) + 1  # i: ascending[i - 1] < ascending[i]
-    if len(steps) == 0:
-        return None
+) -> tuple[torch.Tensor, float, torch.Tensor] | None:
+    """How to cut one set of keys with `features` `(m, D)` in two (`_splits`)."""
+    return _splits(features, [torch.arange(features.shape[0], device=features.device)], max_keys)[0]
+
+
+# Elements (sets x keys x features) of one batch of `_splits` (docs/benchmark-notes.md,
+# "Measurements behind code choices").
+SPLIT_BATCH_ELEMENTS = 1 << 20
+
+
+def _splits(
+    features: torch.Tensor, sets: list[torch.Tensor], max_keys: int
+) -> list[tuple[torch.Tensor, float, torch.Tensor] | None]:
+    """How to cut each set of keys (the rows `sets[i]` of `features` `(n, D)`) in two: its
+    principal axis, the threshold between two consecutive projections where the gap times the
+    keys on the smaller side is largest, among the places that leave ceil(m / max_keys) pieces
+    in all (docs/mathematics.md 6, "Pieces"), and which of its keys take the second side (`<b,
+    axis> >= threshold`, as `_PieceTrees.pieces_of` sends them); None when the set fits or
+    cannot be cut (every projection equal). Computed in float64, for batches of sets of about
+    `SPLIT_BATCH_ELEMENTS` padded elements at a time."""
+    answers: list[tuple[torch.Tensor, float, torch.Tensor] | None] = [None] * len(sets)
+    by_size = sorted((i for i, rows in enumerate(sets) if len(rows) > max_keys),
+                     key=lambda i: len(sets[i]))  # fmt: skip
+    while by_size:
+        batch = [by_size.pop()]  # the largest left, then as many as fit beside it
+        width = len(sets[batch[0]]) * features.shape[1]
+        while by_size and (len(batch) + 1) * width <= SPLIT_BATCH_ELEMENTS:
+            batch.append(by_size.pop())
+        cuts = _split_batch(features, [sets[i] for i in batch], max_keys)
+        for i, answer in zip(batch, cuts, strict=True):
+            answers[i] = answer
+    return answers
+
+
+def _split_batch(
+    features: torch.Tensor, sets: list[torch.Tensor], max_keys: int
+) -> list[tuple[torch.Tensor, float, torch.Tensor] | None]:
+    """`_splits` for sets of more than `max_keys` keys, padded into one batch `(B, M, D)`."""
+    device = features.device
+    m = torch.tensor([len(rows) for rows in sets], device=device)
+    width = int(m.max())
+    valid = torch.arange(width, device=device) < m.unsqueeze(-1)  # (B, M)
+    index = torch.zeros(len(sets), width, dtype=torch.long, device=device)
+    index[valid] = torch.cat(sets)
+    features = features[index].double().masked_fill(~valid.unsqueeze(-1), 0.0)
+    mean = features.sum(1) / m.unsqueeze(-1)
+    centred = (features - mean.unsqueeze(1)) * valid.unsqueeze(-1)
+    axis = _principal_axes(centred)  # (B, D)
+    projection = (features * axis.unsqueeze(1)).sum(-1)  # as `_PieceTrees.pieces_of`
+    ascending = projection.masked_fill(~valid, math.inf).sort(-1).values
+    # Place i (1 <= i < m) cuts between ascending[i - 1] and ascending[i].
+    place = torch.arange(1, width, device=device)
+    gap = ascending[:, 1:] - ascending[:, :-1]
+    inside = place < m.unsqueeze(-1)
+    step = inside & (gap > 0)
     # Among the places that cut the set into no more pieces than ceil(m / max_keys) in all,
     # where the keys' projections leave a wide gap with many keys on both sides (the gap times
     # the smaller side): between natural groups of keys, not through one, and not off a tail.
+    n_pieces = -(-m // max_keys)
     low, high = m - (n_pieces - 1) * max_keys, (n_pieces - 1) * max_keys
-    allowed = steps[(steps >= low) & (steps <= high)]
-    if len(allowed) == 0:
-        wanted = m * (n_pieces // 2) // n_pieces
-        at = int(steps[(steps - wanted).abs().argmin()])
-    else:
-        gap = ascending[allowed] - ascending[allowed - 1]
-        at = int(allowed[(gap * torch.minimum(allowed, m - allowed)).argmax()])
-    threshold = (ascending[at - 1] + ascending[at]) / 2
-    return axis, threshold, projection >= threshold
+    allowed = step & (place >= low.unsqueeze(-1)) & (place <= high.unsqueeze(-1))
+    balance = torch.minimum(place, m.unsqueeze(-1) - place)
+    best = (gap * balance).masked_fill(~allowed, -math.inf).argmax(-1)
+    # Where no place is allowed, the step nearest an even split into the pieces.
+    wanted = m * (n_pieces // 2) // n_pieces
+    nearest = (place - wanted.unsqueeze(-1)).abs().masked_fill(~step, width).argmin(-1)
+    at = torch.where(allowed.any(-1), best, nearest) + 1
+    rows = torch.arange(len(sets), device=device)
+    threshold = (ascending[rows, at - 1] + ascending[rows, at]) / 2
+    second = projection >= threshold.unsqueeze(-1)
+    can_cut = step.any(-1).tolist()
+    return [
+        (axis[b], float(threshold[b]), second[b, : len(sets[b])]) if can_cut[b] else None
+        for b in range(len(sets))
+    ]
 
 
 def _inserted(rows: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
@@ -1024,13 +1087,17 @@ def _ranges(begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     return starts + torch.arange(int(lengths.sum()), device=begin.device)
 
 
-def _principal_axis(centred: torch.Tensor, steps: int = 8) -> torch.Tensor:
-    """The direction of largest variance of centred rows `(m, D)`, by power iteration started
-    at the row farthest from the mean (a unit vector; zero if every row is 0)."""
-    axis = centred[centred.square().sum(-1).argmax()]
+def _principal_axes(centred: torch.Tensor, steps: int = 8) -> torch.Tensor:
+    """The direction of largest variance of each batch of centred rows `(B, m, D)` (rows of
+    zeros pad a batch without changing it), by power iteration on the rows' scatter matrix
+    started at the row farthest from the mean: unit vectors `(B, D)`, zero where every row is
+    0."""
+    start = centred.square().sum(-1).argmax(-1)
+    axis = centred[torch.arange(centred.shape[0], device=centred.device), start]
+    scatter = torch.bmm(centred.transpose(1, 2), centred)  # (B, D, D)
     for _ in range(steps):
-        axis = centred.T @ (centred @ axis)
-        axis = axis / axis.norm().clamp_min(torch.finfo(axis.dtype).tiny)
+        axis = torch.bmm(scatter, axis.unsqueeze(-1))[..., 0]
+        axis = axis / axis.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(axis.dtype).tiny)
     return axis
 
 

@@ -19,6 +19,7 @@ from rewa.index import (
     tail_attention_heads,
     tail_attention_with_reads,
 )
+from rewa.index import clusters as clusters_module
 from rewa.index import tail as tail_module
 from rewa.index.clusters import _nearest, _points, default_cluster_keys
 from rewa.index.tail import ClusterEstimate, calibrated, estimate_clusters
@@ -78,6 +79,71 @@ def test_pieces_partition_each_centres_keys_and_none_exceeds_the_cap():
     with torch.no_grad():
         out, lse = tail_attention(q, clusters, budget=1.0)
     torch.testing.assert_close((out, lse), dense_attention(q, k, v, g), rtol=1e-10, atol=1e-10)
+
+
+def test_sets_cut_in_one_batch_are_cut_as_each_alone(monkeypatch):
+    """`_splits` pads sets of different sizes into batches: each set's axis, threshold and
+    sides are those of the set cut alone; sets that fit, or whose keys all project alike,
+    are not cut."""
+    generator = torch.Generator().manual_seed(2)
+    sets = [torch.randn(m, 6, generator=generator, dtype=torch.float64) for m in (90, 41, 300, 7)]
+    sets[0][:, 0] += torch.arange(90) % 2 * 20  # two natural groups: the cut between them
+    sets.append(torch.ones(50, 6, dtype=torch.float64))  # every projection equal
+    features = torch.cat(sets)
+    ends = torch.tensor([len(keys) for keys in sets]).cumsum(0).tolist()
+    rows = [torch.arange(end - len(keys), end) for keys, end in zip(sets, ends, strict=True)]
+    rows[2] = rows[2].flip(0)  # any order of rows
+    monkeypatch.setattr(clusters_module, "SPLIT_BATCH_ELEMENTS", 2 * 300 * 6)  # 3 batches
+    batched = clusters_module._splits(features, rows, 40)
+    assert batched[3] is None and batched[4] is None  # fits; cannot be cut
+    for keys, cut in zip([sets[0], sets[1], sets[2].flip(0)], batched[:3], strict=True):
+        axis, threshold, second = clusters_module._split(keys, 40)
+        torch.testing.assert_close(cut[0], axis, rtol=0, atol=1e-12)
+        assert cut[1] == pytest.approx(threshold, rel=1e-12, abs=1e-12)
+        assert torch.equal(cut[2], second)
+    assert torch.equal(batched[0][2], torch.arange(90) % 2 == (1 if batched[0][0][0] > 0 else 0))
+
+
+def test_trees_grown_depth_by_depth_equal_cutting_one_set_at_a_time():
+    """`_PieceTrees.grown` cuts every set of a depth in one batch; its trees (in canonical
+    order) are those of cutting each group's keys depth first, one set at a time."""
+    features = _topics(6000, d=8)[0]
+    labels = torch.randint(5, (6000,), generator=torch.Generator().manual_seed(1))
+    trees, piece = clusters_module._PieceTrees.grown(features, labels, 6, 100, True)
+    axes, thresholds, children, groups = [], [], [], []
+    reference_piece = torch.empty_like(labels)
+
+    def grow(rows, label):
+        split = clusters_module._split(features[rows], 100) if label < 5 else None
+        if split is None:
+            reference_piece[rows] = len(groups)
+            groups.append(label)
+            return -len(groups)
+        node = len(axes)
+        axes.append(split[0])
+        thresholds.append(split[1])
+        children.append([0, 0])
+        first = grow(rows[~split[2]], label)
+        children[node] = [first, grow(rows[split[2]], label)]
+        return node
+
+    grouped = labels.argsort(stable=True)
+    roots = [grow(rows, label) for label, rows in enumerate(grouped.split(
+        torch.bincount(labels, minlength=6).tolist()))]  # fmt: skip
+    reference = clusters_module._PieceTrees(
+        axis=torch.stack(axes),
+        threshold=torch.tensor(thresholds, dtype=torch.float64),
+        children=torch.tensor(children),
+        root=torch.tensor(roots),
+        group=torch.tensor(groups),
+    )
+    (ours, renumbered), (theirs, reference_renumbered) = trees.canonical(), reference.canonical()
+    assert torch.equal(ours.children, theirs.children)
+    assert torch.equal(ours.root, theirs.root) and torch.equal(ours.group, theirs.group)
+    torch.testing.assert_close(ours.axis, theirs.axis, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ours.threshold, theirs.threshold, rtol=1e-12, atol=1e-12)
+    assert torch.equal(renumbered[piece], reference_renumbered[reference_piece])
+    assert len(ours.group) > 6 * 2  # the groups were cut
 
 
 def test_given_a_number_of_clusters_groups_stay_whole_unless_asked():
