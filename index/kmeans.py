@@ -20,6 +20,8 @@ choices")."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -120,13 +122,13 @@ def split_empty(centroids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     moved = centroids.cpu().numpy().copy()
     hassign = counts.cpu().numpy().astype(np.float32)
     n_minus_k = np.float64(np.float32(int(counts.sum()) - k))
-    draws = _TwisterFloats(1234)
+    draws = _twister_floats(1234)
     up = np.where(np.arange(moved.shape[1]) % 2 == 0, 1 + SPLIT_EPS, 1 - SPLIT_EPS)
     up = up.astype(np.float32)
     down = (2 - up).astype(np.float32)
     for ci in empty:
         chance = ((hassign.astype(np.float64) - 1.0) / n_minus_k).astype(np.float32)
-        cj = next((j % k for j in range(10 * k) if draws.next() < chance[j % k]), None)
+        cj = next((j % k for j in range(10 * k) if next(draws) < chance[j % k]), None)
         cj = int(hassign.argmax()) if cj is None else cj
         moved[ci] = moved[cj] * up
         moved[cj] = moved[cj] * down
@@ -135,23 +137,14 @@ def split_empty(centroids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(moved).to(centroids.device)
 
 
-class _TwisterFloats:
+def _twister_floats(seed: int) -> Iterator[np.float32]:
     """FAISS's `RandomGenerator(seed).rand_float()` in sequence: the 32-bit outputs of a
     Mersenne twister (numpy's, seeded as C++'s `std::mt19937`) over 2^32 - 1, in float32,
     drawn `SPLIT_DRAWS` at a time."""
-
-    def __init__(self, seed: int) -> None:
-        self.twister = np.random.RandomState(seed)
-        self.buffer: list[float] = []
-        self.at = 0
-
-    def next(self) -> np.float32:
-        if self.at == len(self.buffer):
-            raw = self.twister.randint(0, 2**32, size=SPLIT_DRAWS, dtype=np.uint32)
-            self.buffer = list(raw.astype(np.float32) / np.float32(4294967295.0))
-            self.at = 0
-        self.at += 1
-        return self.buffer[self.at - 1]
+    twister = np.random.RandomState(seed)
+    while True:
+        raw = twister.randint(0, 2**32, size=SPLIT_DRAWS, dtype=np.uint32)
+        yield from raw.astype(np.float32) / np.float32(4294967295.0)
 
 
 @torch.no_grad()

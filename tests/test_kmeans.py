@@ -74,13 +74,17 @@ def test_kmeans_splits_clusters_left_empty_as_faiss_does():
     assert (counts > 0).sum() >= 30  # every distinct point has a centroid of its own
 
 
-def test_faiss_permutation_is_faiss_rand_perm():
-    """The draws k-means starts from: FAISS's `rand_perm`, a permutation of 0..n-1."""
+def test_faiss_permutation_is_a_fisher_yates_shuffle_of_numpys_twister():
+    """The draws k-means starts from (FAISS's `rand_perm`) are a Fisher-Yates shuffle driven by
+    the 32-bit outputs of numpy's Mersenne twister seeded the same: the generator seeded as
+    C++'s `std::mt19937`, on which `split_empty`'s draws rely too."""
     for n, seed in ((1, 0), (10, 3), (1000, 1234)):
-        perm = kmeans.faiss_permutation(n, seed)
-        assert sorted(perm.tolist()) == list(range(n))
-        assert torch.equal(perm, kmeans.faiss_permutation(n, seed))
-    assert not torch.equal(kmeans.faiss_permutation(1000, 0), kmeans.faiss_permutation(1000, 1))
+        draws = np.random.RandomState(seed).randint(0, 2**32, size=max(n - 1, 0), dtype=np.uint32)
+        expected = list(range(n))
+        for i, draw in enumerate(draws.tolist()):
+            j = i + draw % (n - i)
+            expected[i], expected[j] = expected[j], expected[i]
+        assert kmeans.faiss_permutation(n, seed).tolist() == expected
 
 
 def test_kmeans_keeps_every_centroid_in_use_and_is_seeded():
