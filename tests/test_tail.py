@@ -475,7 +475,7 @@ def test_the_estimates_rank_the_true_cluster_masses():
     data = clustered(8192)
     g = data.geometry()
     clusters = KeyClusters.build(g.witness(data.k), data.v, g, n_clusters=32)  # the data's 32
-    queries = data.q[:32]
+    queries = data.q[:256]
     with torch.no_grad():
         estimate = estimate_clusters(queries, clusters).log_mass
         logits = g.logits(queries, data.k)[:, clusters.order]

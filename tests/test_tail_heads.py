@@ -207,27 +207,24 @@ def test_stacked_selection_equals_the_selection_of_each_head():
     counts = heads.counts.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
     flags = exact_read.unsqueeze(1).expand(-1, n_queries, -1).flatten(0, 1)
     # 60 keys: some heads' most massive clusters alone exceed it (read anyway, and then no
-    # flagged one fits).
-    pair_row, pair_cluster = select_clusters(rows.log_mass, counts, 60, flags)
-    for h, head_clusters in enumerate(clusters):
-        n = head_clusters.n_clusters
-        expected = select_clusters(
-            estimate.log_mass[h, :, :n], heads.counts[h, :n], 60, exact_read[h, :n]
-        )
-        mine = (pair_row // n_queries) == h
-        assert torch.equal(pair_row[mine] - h * n_queries, expected[0])
-        assert torch.equal(pair_cluster[mine], expected[1])
-        assert (pair_cluster[mine] < n).all()  # padding is never selected
-    # A budget that holds each most massive cluster and every flagged one: every query reads
-    # them all. (How far down the estimate a query looks depends on the average cluster size,
-    # over the stacked heads here, so the other clusters read may differ from one head's.)
+    # flagged one fits). The second budget holds each most massive cluster and every flagged
+    # one: every query reads them all. Each head's queries look as far down the estimate as in
+    # a selection of their own (their head's average cluster size), so both equal one head's.
     holding = float(heads.counts.max() + (heads.counts * exact_read).sum(1).max())
-    pair_row, pair_cluster = select_clusters(rows.log_mass, counts, holding, flags)
-    for h, head_clusters in enumerate(clusters):
-        mine = (pair_row // n_queries) == h
-        assert (pair_cluster[mine] < head_clusters.n_clusters).all()
-        read = exact_read[h, pair_cluster[mine]].sum()
-        assert read == int(exact_read[h].sum()) * n_queries
+    for budget in (60, holding):
+        pair_row, pair_cluster = select_clusters(rows.log_mass, counts, budget, flags)
+        for h, head_clusters in enumerate(clusters):
+            n = head_clusters.n_clusters
+            expected = select_clusters(
+                estimate.log_mass[h, :, :n], heads.counts[h, :n], budget, exact_read[h, :n]
+            )
+            mine = (pair_row // n_queries) == h
+            assert torch.equal(pair_row[mine] - h * n_queries, expected[0])
+            assert torch.equal(pair_cluster[mine], expected[1])
+            assert (pair_cluster[mine] < n).all()  # padding is never selected
+            if budget == holding:
+                read = exact_read[h, pair_cluster[mine]].sum()
+                assert read == int(exact_read[h].sum()) * n_queries
 
 
 def test_stacking_pads_with_empty_clusters_and_one_head_is_views():

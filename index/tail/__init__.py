@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, TypedDict, Unpack
 
+import numpy as np
 import torch
 
 from rewa.attention import merge_attention
@@ -32,7 +33,7 @@ from .decode import compiled_step_applies, decode_step
 from .estimate import ClusterEstimate, estimate_clusters
 from .exact import _largest_logit_estimate, _visited_apart
 from .fixed_step import fixed_shape_step, fixed_shape_step_applies
-from .selection import select_clusters
+from .selection import ordinary_averages, select_clusters, walk_widths
 from .unread import _tail_estimate, shift_dtype
 
 __all__ = [
@@ -181,6 +182,8 @@ def tail_attention_heads_with_reads(
     if n_always:
         counts, is_always, always_keys, always_values = _always_read(heads, always)
     exact_read = heads.exact_read
+    # Each head's walk width, from its own clusters (as in a call of its own).
+    head_widths = walk_widths(ordinary_averages(counts, exact_read), budget_keys, heads.n_clusters)
     outs, lses, reads = [], [], []
     for start in range(0, qw.shape[1], query_block):
         block = qw[:, start : start + query_block]
@@ -189,7 +192,7 @@ def tail_attention_heads_with_reads(
         rows = estimate.rows()
         row_counts, row_exact = (_per_row(t, n_queries) for t in (counts, exact_read))
         pair_query, pair_cluster = select_clusters(
-            rows.log_mass, row_counts, budget_keys, row_exact
+            rows.log_mass, row_counts, budget_keys, row_exact, np.repeat(head_widths, n_queries)
         )
         pair_counts = row_counts.expand_as(rows.log_mass)[pair_query, pair_cluster]
         reference = _largest_logit_estimate(rows.log_mass, pair_counts, pair_query, pair_cluster)

@@ -33,7 +33,7 @@ from .calibration import CALIBRATION_STEPS
 from .exact import _needs_grad
 from .kernel import _compiled, _estimate_rows, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
-from .selection import ordinary_average, walk_width
+from .selection import ordinary_averages, walk_widths
 from .threads import spread
 from .unread import SHIFT_NEGLIGIBLE
 
@@ -68,11 +68,11 @@ def compiled_step_applies(
 class _HeadArrays(NamedTuple):
     """What the step reads of the stacked clusters, as numpy arrays made once per `ClusterHeads`
     (kept in its `derived`): per head the arguments of `_decode_head` that describe its
-    clusters, and the average size of a cluster outside `exact_read` (as `select_clusters`
-    averages it over the stacked heads)."""
+    clusters, and each head's average size of a cluster outside `exact_read` `(H,)` (as
+    `select_clusters` averages it)."""
 
     per_head: list[tuple[np.ndarray, ...]]
-    average_size: float
+    average_sizes: np.ndarray
 
 
 def _head_arrays(heads: ClusterHeads) -> _HeadArrays:
@@ -91,8 +91,8 @@ def _head_arrays(heads: ClusterHeads) -> _HeadArrays:
                 clusters.value_mean.numpy(), clusters.value_cross.numpy(),
                 clusters.offsets.numpy(), clusters.keys_w.numpy(), clusters.values.numpy(),
             ))  # fmt: skip
-        average = ordinary_average(heads.counts, heads.exact_read)
-        found = heads.derived[__name__] = _HeadArrays(per_head, average)
+        averages = ordinary_averages(heads.counts, heads.exact_read)
+        found = heads.derived[__name__] = _HeadArrays(per_head, averages)
     return found
 
 
@@ -113,15 +113,15 @@ def decode_step(
     lse = torch.full((n_heads, n_queries), float("-inf"), dtype=dtype)
     reads = torch.zeros(n_heads, n_queries, dtype=dtype)
     outputs = out.numpy(), lse.numpy(), reads.numpy()
-    # As `select_clusters` makes them: the walk's width, and its budget in the counts' dtype.
-    width = walk_width(arrays.average_size, budget_keys, heads.n_clusters)
+    # As `select_clusters` makes them: each head's walk width, the budget in the counts' dtype.
+    widths = walk_widths(arrays.average_sizes, budget_keys, heads.n_clusters)
     budget = np.array([budget_keys], dtype=outputs[0].dtype)
     scale = float(heads.geometry.scale)
     step = _compiled_step()
 
     def head_step(head: int) -> None:
         step(
-            queries[head], scale, budget, width, CALIBRATION_STEPS, SHIFT_NEGLIGIBLE,
+            queries[head], scale, budget, int(widths[head]), CALIBRATION_STEPS, SHIFT_NEGLIGIBLE,
             *arrays.per_head[head], *(output[head] for output in outputs),
         )  # fmt: skip
 

@@ -9,7 +9,8 @@ stages compute the same quantities with no shape and no branch that depends on a
 values:
 
 - estimate: `estimate._estimate_heads`, as the batched stages call it;
-- selection: `selection.select_clusters`'s walk, as a mask over its `width` candidates (plus the
+- selection: `selection.select_clusters`'s walk, as a mask over its candidates (each head's
+  walk width of them, the rows padded to the widest head's with candidates never taken; plus the
   outlier clusters, `exact_read`, right after the first) instead of a list of pairs;
 - exact part: each query's keys as `slots` positions, the keys of its chosen clusters one after
   another (`n_slots`: the most its chosen clusters can span), gathered and attended with a
@@ -31,6 +32,7 @@ import threading
 import warnings
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from rewa.attention import DotProduct, merge_attention
@@ -40,7 +42,7 @@ from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
 from .estimate import _estimate_heads
 from .exact import _needs_grad
-from .selection import _most_massive, ordinary_average, walk_width
+from .selection import _most_massive, ordinary_averages, walk_widths
 from .unread import shift_dtype, shift_shares, unread_weights
 
 # The most queries per head a fixed step answers: a decode step's few (grouped-query attention
@@ -66,7 +68,8 @@ class _Stacked(NamedTuple):
       clusters (read as size 0: never) to the most of any head, F;
     - `value_cross` `(H, C, D dv)`: the key-value cross-covariances in `shift_dtype`;
     - `shift_share` `(H, 1, 1)`: `unread.shift_shares`;
-    - `average`: the average size of an ordinary cluster (as `select_clusters` computes it)."""
+    - `averages` `(H,)`: each head's average size of an ordinary cluster (as `select_clusters`
+      computes it)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -75,7 +78,7 @@ class _Stacked(NamedTuple):
     forced: torch.Tensor
     value_cross: torch.Tensor
     shift_share: torch.Tensor
-    average: float
+    averages: np.ndarray
 
 
 def fixed_shape_step_applies(
@@ -123,15 +126,15 @@ def fixed_shape_step(
     batched stages (module docstring).
 
     On a CUDA GPU (with `USE_GRAPHS`) the step's operations are captured as a CUDA graph at the
-    first call of each query shape, number of `always` keys, budget and walk width, and replayed
+    first call of each query shape, number of `always` keys, budget and walk widths, and replayed
     at the next ones; the graphs are kept with the clusters. With `always` keys, their clusters'
-    sizes and the walk's width (from the average size) are found before the graph, one wait for
+    sizes and the walk's widths (from the average sizes) are found before the graph, one wait for
     the GPU per call."""
     if budget_keys <= 0:
         raise ValueError(f"expected a positive budget of keys, got {budget_keys}")
     stacked = _stacked(heads)
     qw = qw.to(heads.counts.dtype)
-    counts, positions, average = None, None, stacked.average  # counts None: heads.counts
+    counts, positions, averages = None, None, stacked.averages  # counts None: heads.counts
     if always is not None and always.numel() > 0:
         # The always keys' sorted positions per head, and the cluster sizes without them.
         positions = stacked.position[:, always.to(qw.device)]
@@ -140,20 +143,21 @@ def fixed_shape_step(
             1, cluster, torch.ones_like(positions, dtype=heads.counts.dtype)
         )
         counts = heads.counts - removed
-        average = ordinary_average(counts, heads.exact_read)
-    width = walk_width(average, budget_keys, heads.n_clusters)
+        averages = ordinary_averages(counts, heads.exact_read)
+    widths = walk_widths(averages, budget_keys, heads.n_clusters)
+    walk = _walk_limits(widths, qw.shape[1], qw.device)
     inputs = (qw, counts, positions)
     if qw.device.type != "cuda" or not USE_GRAPHS:
-        return _step(heads, stacked, budget_keys, width, *inputs)
+        return _step(heads, stacked, budget_keys, walk, *inputs)
     n_always = 0 if positions is None else positions.shape[1]
     with _GRAPHS_LOCK:
         graphs = heads.derived.setdefault(f"{__name__}.graphs", {})
-        key = (tuple(qw.shape), n_always, budget_keys, width)
+        key = (tuple(qw.shape), n_always, budget_keys, tuple(widths.tolist()))
         if key not in graphs:
-            graphs[key] = _captured(heads, stacked, budget_keys, width, inputs)
+            graphs[key] = _captured(heads, stacked, budget_keys, walk, inputs)
         if graphs[key] is None:  # the capture failed: the operations one by one
-            return _step(heads, stacked, budget_keys, width, *inputs)
-        graph, static_inputs, outputs = graphs[key]
+            return _step(heads, stacked, budget_keys, walk, *inputs)
+        graph, static_inputs, outputs, _ = graphs[key]
         # One replay at a time: the graph reads its input tensors and writes its outputs in
         # place, so the caller keeps copies, queued on the stream before the next replay.
         for static, given in zip(static_inputs, inputs, strict=True):
@@ -163,10 +167,10 @@ def fixed_shape_step(
         return tuple(t.clone() for t in outputs)
 
 
-def _captured(heads, stacked, budget_keys, width, inputs):
+def _captured(heads, stacked, budget_keys, walk, inputs):
     """`_step` captured as a CUDA graph for inputs of the shapes of `inputs`: `(graph, the
-    inputs it reads, the outputs it writes)`, or None (with a warning) where the capture fails.
-    Two calls on a side stream first, as PyTorch's graph capture asks (they set up the
+    inputs it reads, the outputs it writes, walk)`, or None (with a warning) where the capture
+    fails. Two calls on a side stream first, as PyTorch's graph capture asks (they set up the
     libraries' workspaces)."""
     static_inputs = tuple(None if t is None else t.clone() for t in inputs)
     device = inputs[0].device
@@ -174,12 +178,12 @@ def _captured(heads, stacked, budget_keys, width, inputs):
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         for _ in range(2):
-            _step(heads, stacked, budget_keys, width, *static_inputs)
+            _step(heads, stacked, budget_keys, walk, *static_inputs)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            outputs = _step(heads, stacked, budget_keys, width, *static_inputs)
+            outputs = _step(heads, stacked, budget_keys, walk, *static_inputs)
     except RuntimeError as error:
         warnings.warn(
             f"tail attention's decode step could not be captured as a CUDA graph ({error}); "
@@ -188,7 +192,7 @@ def _captured(heads, stacked, budget_keys, width, inputs):
             stacklevel=3,
         )
         return None
-    return graph, static_inputs, outputs
+    return graph, static_inputs, outputs, walk  # the graph reads walk's mask
 
 
 def _stacked(heads: ClusterHeads) -> _Stacked:
@@ -228,12 +232,12 @@ def _stacked(heads: ClusterHeads) -> _Stacked:
         forced=forced,
         value_cross=cross,
         shift_share=shift_shares(heads),
-        average=ordinary_average(heads.counts, exact_read),
+        averages=ordinary_averages(heads.counts, exact_read),
     )
     return found
 
 
-def _step(heads, stacked, budget_keys, width, qw, counts, positions):
+def _step(heads, stacked, budget_keys, walk, qw, counts, positions):
     """The stages on fixed shapes (module docstring): `(out, lse, keys_read)` of the queries
     `qw` `(H, nq, d)` with the clusters' sizes `counts` `(H, C)` without the always keys (None:
     `heads.counts`) and the always keys' sorted positions `positions` `(H, A)` or None."""
@@ -242,7 +246,7 @@ def _step(heads, stacked, budget_keys, width, qw, counts, positions):
     estimate = _estimate_heads(qw, heads, counts)
     rows = estimate.rows()
     n_clusters = rows.log_mass.shape[-1]
-    candidates, sizes, forced = _candidates(rows.log_mass, heads, stacked, counts, width, n_queries)
+    candidates, sizes, forced = _candidates(rows.log_mass, heads, stacked, counts, walk, n_queries)
     taken = _walk(sizes, budget_keys)
     read = sizes * taken  # each candidate's keys read, 0 if not taken
     # The key positions each taken candidate spans, the always keys among them included.
@@ -266,14 +270,19 @@ def _step(heads, stacked, budget_keys, width, qw, counts, positions):
     return out.view(*shape, -1), lse.view(shape), (read.sum(-1) + n_always).view(shape)
 
 
-def _candidates(log_mass, heads, stacked, counts, width, n_queries):
+def _candidates(log_mass, heads, stacked, counts, walk, n_queries):
     """Each row's candidates in the walk's order `(rows, L)`, their sizes in `counts` `(rows,
-    L)` and whether each is an outlier cluster `(rows, L)` (`select_clusters`): the `width` most
-    massive ordinary clusters, with the outlier clusters right after the first."""
+    L)` and whether each is an outlier cluster `(rows, L)` (`select_clusters`): the most massive
+    ordinary clusters, as many as the widest head's walk looks at (`walk`, `_walk_limits`; a
+    row's beyond its own head's width at size 0, never taken), with the outlier clusters right
+    after the first."""
+    width, beyond = walk
     exact_read = _per_row(heads.exact_read, n_queries)
     best = _most_massive(log_mass.masked_fill(exact_read, -math.inf), width)
     row_counts = _per_row(counts, n_queries)
     sizes = row_counts.masked_fill(exact_read, 0).gather(1, best)
+    if beyond is not None:
+        sizes = sizes.masked_fill(beyond, 0)
     is_forced = torch.zeros_like(best, dtype=torch.bool)
     if stacked.forced.shape[1]:
         forced = _per_row(stacked.forced, n_queries)
@@ -283,6 +292,20 @@ def _candidates(log_mass, heads, stacked, counts, width, n_queries):
         flagged = torch.ones_like(forced, dtype=torch.bool)
         is_forced = torch.cat([is_forced[:, :1], flagged, is_forced[:, 1:]], dim=1)
     return best, sizes, is_forced
+
+
+def _walk_limits(
+    widths: np.ndarray, n_queries: int, device: torch.device
+) -> tuple[int, torch.Tensor | None]:
+    """The walk's candidates per row, for each head's walk width `widths` `(H,)`: the widest
+    head's width, and which of each row's candidates lie beyond its own head's width `(H * nq,
+    width)` (None where no head's width is narrower). Made before a CUDA graph is captured:
+    the graph reads the mask, which must outlive it."""
+    width = int(widths.max())
+    if (widths == width).all():
+        return width, None
+    row_widths = torch.from_numpy(np.repeat(widths, n_queries)).unsqueeze(-1)
+    return width, (torch.arange(width) >= row_widths).to(device)
 
 
 def _walk(sizes: torch.Tensor, budget_keys: float) -> torch.Tensor:

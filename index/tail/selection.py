@@ -1,14 +1,14 @@
 """Which clusters each query reads exactly.
 
 Which clusters a query visits: its most massive clusters by estimate (twice as many as the
-budget holds at the average cluster size, plus 8), in descending order, each taken if its keys
-still fit in the `budget` (a fraction of the context's keys), with the clusters flagged
-`exact_read` (the outlier keys of `KeyClusters.build`) right after the most massive one: at
-the smallest budgets the query's own cluster goes first (what putting the outliers before it
-cost is measured in docs/library.md, "Cluster-tail attention"). The most massive is read even
-where it alone exceeds the budget: a budget smaller than one cluster (a short context at 1 %)
-would otherwise leave the query's mass unread and its output wrong by about its own size
-(docs/indexes.md, "A budget smaller than a cluster")."""
+budget holds at the average size of its head's clusters, plus 8), in descending order, each
+taken if its keys still fit in the `budget` (a fraction of the context's keys), with the
+clusters flagged `exact_read` (the outlier keys of `KeyClusters.build`) right after the most
+massive one: at the smallest budgets the query's own cluster goes first (what putting the
+outliers before it cost is measured in docs/library.md, "Cluster-tail attention"). The most
+massive is read even where it alone exceeds the budget: a budget smaller than one cluster (a
+short context at 1 %) would otherwise leave the query's mass unread and its output wrong by
+about its own size (docs/indexes.md, "A budget smaller than a cluster")."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def select_clusters(
     counts: torch.Tensor,
     budget_keys: float,
     exact_read: torch.Tensor | None = None,
+    widths: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The clusters each query visits, as `(query, cluster)` pairs: its most massive clusters
     by estimate, in descending order, the first always, each other taken if its keys still fit
@@ -34,7 +35,10 @@ def select_clusters(
     their estimate: read by every query whose budget holds them besides that cluster.
 
     `log_mass` is `(nq, nc)`; `counts` and `exact_read` are `(nc,)`, the same for every query,
-    or `(nq, nc)`, a row per query (the stacked heads of `tail_attention_heads`)."""
+    or `(nq, nc)`, a row per query (the stacked heads of `tail_attention_heads`). How many of
+    its most massive clusters a query looks at (`walk_widths` of the average size of its
+    clusters outside `exact_read`) may be given as `widths` `(nq,)`, and is computed here
+    otherwise: a head's queries look as far in a stack of heads as in a call of their own."""
     if budget_keys <= 0:
         empty = torch.zeros(0, dtype=torch.long, device=log_mass.device)
         return empty, empty
@@ -53,9 +57,15 @@ def select_clusters(
             n_forced = int(exact_read.sum(-1).max())
             forced = (~exact_read).to(torch.uint8).argsort(dim=-1, stable=True)[:, :n_forced]
             forced_sizes = counts.gather(1, forced) * exact_read.gather(1, forced)
-    width = walk_width(average_size(ordinary_counts), budget_keys, log_mass.shape[-1])
+    if widths is None:
+        widths = walk_widths(average_sizes(ordinary_counts), budget_keys, log_mass.shape[-1])
+    width = int(widths.max())
     best = _most_massive(log_mass, width)
     sizes = ordinary_counts[best] if ordinary_counts.dim() == 1 else ordinary_counts.gather(1, best)
+    if widths.ndim and (widths < width).any():
+        # A row's candidates beyond its own width are never taken: size 0.
+        beyond = torch.arange(width) >= torch.from_numpy(widths).unsqueeze(-1)
+        sizes = sizes.masked_fill(beyond.to(sizes.device), 0)
     if forced is not None:
         best = torch.cat([best[:, :1], forced, best[:, 1:]], dim=1)
         sizes = torch.cat([sizes[:, :1], forced_sizes, sizes[:, 1:]], dim=1)
@@ -73,21 +83,25 @@ def select_clusters(
     return queries, best[queries, slots]
 
 
-def average_size(counts: torch.Tensor) -> float:
-    """The average size of the non-empty clusters among `counts` (any shape)."""
-    return float(counts.sum()) / max(int((counts > 0).sum()), 1)
+def average_sizes(counts: torch.Tensor) -> np.ndarray:
+    """The average size of the non-empty clusters of each row of `counts` `(..., C)`: `(...)`
+    in float64 (the sizes are whole numbers, which float32 sums hold exactly)."""
+    sums = counts.sum(-1).double().cpu().numpy()
+    return sums / np.maximum((counts > 0).sum(-1).cpu().numpy(), 1)
 
 
-def ordinary_average(counts: torch.Tensor, exact_read: torch.Tensor) -> float:
-    """The average size of the non-empty clusters outside `exact_read` (the `average_size`
-    the walk's width is made from in `select_clusters`)."""
-    return average_size(counts.masked_fill(exact_read, 0))
+def ordinary_averages(counts: torch.Tensor, exact_read: torch.Tensor) -> np.ndarray:
+    """`average_sizes` of each head's clusters `(H, C)` outside `exact_read` `(H, C)`: `(H,)`,
+    what the walk's widths are made from in `select_clusters`."""
+    return average_sizes(counts.masked_fill(exact_read, 0))
 
 
-def walk_width(average: float, budget_keys: float, n_columns: int) -> int:
-    """How many of a query's most massive clusters the greedy walk looks at: twice as many as
-    `budget_keys` holds at the `average` cluster size, plus a few (at most `n_columns`)."""
-    return min(n_columns, 2 * int(budget_keys / max(average, 1.0)) + 8)
+def walk_widths(average: np.ndarray, budget_keys: float, n_columns: int) -> np.ndarray:
+    """How many of a query's most massive clusters the greedy walk looks at, for each average
+    cluster size in `average`: twice as many as `budget_keys` holds at that size, plus a few
+    (at most `n_columns`)."""
+    widths = 2 * (budget_keys / np.maximum(average, 1.0)).astype(np.int64) + 8
+    return np.minimum(widths, n_columns)
 
 
 def _most_massive(log_mass: torch.Tensor, width: int) -> torch.Tensor:
