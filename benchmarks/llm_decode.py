@@ -146,9 +146,12 @@ def small_llama(tokens: int) -> LlamaForCausalLM:
 
 
 def fill(cache, model, mixture: Mixture, tokens: int) -> None:
+    """A prompt's keys and values put straight into each layer of the cache, as a forward pass
+    would have cached them. Through the layers, not `cache.update`: a `RewaCache` refuses an
+    update that no attention of the model read (its check that the model runs rewa attention)."""
     for layer in range(model.config.num_hidden_layers):
         keys = mixture.draw(KV_HEADS, tokens).unsqueeze(0)
-        cache.update(keys, mixture.values(tokens).unsqueeze(0), layer)
+        cache.layers[layer].update(keys, mixture.values(tokens).unsqueeze(0))
 
 
 def generation(tokens: int, new_tokens: int, budget: float) -> dict:

@@ -240,3 +240,23 @@ def test_causal_tail_benchmark_writes_records_and_a_plot(tmp_path):
     assert len(records) == 1 and records[0]["causal_seconds"] > 0
     assert set(records[0]["causal"]) == {"err_median", "err_p99", "lse_abs_err_median"}
     assert (tmp_path / "causal_tail.png").stat().st_size > 0
+
+
+def test_llm_decode_benchmark_writes_records_and_a_plot(tmp_path):
+    """Layer steps and greedy generation at a small context, in process (the generation part
+    fills its caches with a prompt's keys before the first token)."""
+    out = tmp_path / "llm_decode"
+    arguments = ("--tokens", "2048", "--steps", "12", "--new-tokens", "2", "--no-http")
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "llm_decode.py"), *arguments, "--out", str(out)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert set(result["layer_step"]) == {"local"}
+    assert result["layer_step"]["local"]["relative_error_max"] < 1
+    generation = result["generation"]
+    assert generation["new_tokens"] == 2
+    assert generation["rewa"]["tokens_per_s"] > 0 and generation["full"]["tokens_per_s"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
