@@ -145,18 +145,18 @@ def fixed_shape_step(
         counts = heads.counts - removed
         averages = ordinary_averages(counts, heads.exact_read)
     widths = walk_widths(averages, budget_keys, heads.n_clusters)
-    walk = _walk_limits(widths, qw.shape[1], qw.device)
     inputs = (qw, counts, positions)
     if qw.device.type != "cuda" or not USE_GRAPHS:
-        return _step(heads, stacked, budget_keys, walk, *inputs)
+        return _step(heads, stacked, budget_keys, _walk_limits(widths, qw), *inputs)
     n_always = 0 if positions is None else positions.shape[1]
     with _GRAPHS_LOCK:
         graphs = heads.derived.setdefault(f"{__name__}.graphs", {})
         key = (tuple(qw.shape), n_always, budget_keys, tuple(widths.tolist()))
         if key not in graphs:
-            graphs[key] = _captured(heads, stacked, budget_keys, walk, inputs)
+            # The walk's mask is made once per graph, which keeps it (it reads it).
+            graphs[key] = _captured(heads, stacked, budget_keys, _walk_limits(widths, qw), inputs)
         if graphs[key] is None:  # the capture failed: the operations one by one
-            return _step(heads, stacked, budget_keys, walk, *inputs)
+            return _step(heads, stacked, budget_keys, _walk_limits(widths, qw), *inputs)
         graph, static_inputs, outputs, _ = graphs[key]
         # One replay at a time: the graph reads its input tensors and writes its outputs in
         # place, so the caller keeps copies, queued on the stream before the next replay.
@@ -294,18 +294,16 @@ def _candidates(log_mass, heads, stacked, counts, walk, n_queries):
     return best, sizes, is_forced
 
 
-def _walk_limits(
-    widths: np.ndarray, n_queries: int, device: torch.device
-) -> tuple[int, torch.Tensor | None]:
-    """The walk's candidates per row, for each head's walk width `widths` `(H,)`: the widest
-    head's width, and which of each row's candidates lie beyond its own head's width `(H * nq,
-    width)` (None where no head's width is narrower). Made before a CUDA graph is captured:
-    the graph reads the mask, which must outlive it."""
+def _walk_limits(widths: np.ndarray, qw: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """The walk's candidates per row of the queries `qw` `(H, nq, d)`, for each head's walk
+    width `widths` `(H,)`: the widest head's width, and which of each row's candidates lie
+    beyond its own head's width `(H * nq, width)` on the queries' device (None where no head's
+    width is narrower). Made before a CUDA graph is captured: the graph reads the mask."""
     width = int(widths.max())
     if (widths == width).all():
         return width, None
-    row_widths = torch.from_numpy(np.repeat(widths, n_queries)).unsqueeze(-1)
-    return width, (torch.arange(width) >= row_widths).to(device)
+    row_widths = torch.from_numpy(np.repeat(widths, qw.shape[1])).unsqueeze(-1)
+    return width, (torch.arange(width) >= row_widths).to(qw.device)
 
 
 def _walk(sizes: torch.Tensor, budget_keys: float) -> torch.Tensor:
