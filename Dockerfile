@@ -45,13 +45,15 @@ COPY clients/ clients/
 COPY llm/ llm/
 COPY research/ research/
 # Numba's cache of the compiled loops (tail attention's, index/tail/kernel.py and decode.py; the
-# IVF shortlist's, index/largest.py), filled here so that a server's first call compiles none.
+# IVF shortlist's, index/largest.py; attention over LSH candidates, index/lsh_attention.py),
+# filled here so that a server's first call compiles none.
 ENV NUMBA_CACHE_DIR=/opt/rewa/.numba-cache
 RUN make install VENV=/opt/rewa/.venv VARIANT=${VARIANT} \
         TORCH_INDEX_URL=${TORCH_INDEX_URL:-$REWA_TORCH_INDEX_URL} \
     && .venv/bin/python -m compileall -q attention index service clients llm research \
     && .venv/bin/python -c "from rewa.index.tail.decode import compile_ahead; compile_ahead()" \
-    && .venv/bin/python -c "from rewa.index.largest import compile_ahead; compile_ahead()"
+    && .venv/bin/python -c "from rewa.index.largest import compile_ahead; compile_ahead()" \
+    && .venv/bin/python -c "from rewa.index.lsh_attention import compile_ahead; compile_ahead()"
 
 # A non-root user; the embedded store persists under /data (a volume) unless REWA_REDIS_URL
 # is set.

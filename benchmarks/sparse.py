@@ -52,6 +52,7 @@ from rewa.index import (
     dense_entropy,
     exact_topk,
     largest,
+    lsh_attention,
     mass_recall,
     output_error,
     retrieval_attention,
@@ -144,6 +145,7 @@ def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]
     # long-lived process pays it once, not by the first run it would serve (what it costs:
     # docs/indexes.md, "The probes' shortlist").
     largest.compile_ahead((np.float32,))
+    lsh_attention.compile_ahead((np.float32,))
     records = []
     for dataset in datasets:
         for n in sizes:

@@ -164,6 +164,7 @@ class CompositeLSH:
         self.order: torch.Tensor | None = None
         self.sorted_buckets: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None
+        self.admitted: torch.Tensor | None = None  # made by `admitted_buckets` when first asked
 
     @property
     def ntotal(self) -> int:
@@ -214,6 +215,7 @@ class CompositeLSH:
         buckets = buckets[shuffle]
         self.sorted_buckets, within = buckets.T.contiguous().sort(dim=-1, stable=True)  # (L, n)
         self.order = shuffle[within]  # key index at each sorted position, per table
+        self.admitted = None
 
     def extend(self, keys_w: torch.Tensor) -> None:
         """Index the witnesses of the grown context: rebuilt, since the grid widths are
@@ -224,16 +226,42 @@ class CompositeLSH:
         """Keys sharing a bucket with each query in any table: `(nq, L * bucket_limit)` int64,
         `-1` padded (duplicates across tables are left for `build_candidates` to remove). `k`
         is not used: the tables fix how many there are (`KeyIndex.candidates`)."""
-        if self.order is None:
-            raise RuntimeError("CompositeLSH.candidates before add()")
-        buckets = self._buckets(queries_w, "query").T.contiguous()  # (L, nq)
-        start = torch.searchsorted(self.sorted_buckets, buckets, side="left")
-        stop = torch.searchsorted(self.sorted_buckets, buckets, side="right")
+        start, stop = (bound.T for bound in self.bucket_ranges(queries_w))  # (L, nq)
         slots = start.unsqueeze(-1) + torch.arange(self.bucket_limit, device=start.device)
         inside = slots < stop.unsqueeze(-1)
         picked = self.order.gather(1, slots.clamp_max(self.ntotal - 1).flatten(1)).view_as(slots)
         picked = picked.masked_fill(~inside, -1)
         return picked.permute(1, 0, 2).reshape(queries_w.shape[0], -1)
+
+    def bucket_ranges(self, queries_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each query's bucket lies in each table's sorted keys: `(first, last)`, both
+        `(nq, L)` int64, the keys `order[t, first:last]` (an empty range where none)."""
+        if self.order is None:
+            raise RuntimeError("CompositeLSH.candidates before add()")
+        buckets = self._buckets(queries_w, "query").T.contiguous()  # (L, nq)
+        first = torch.searchsorted(self.sorted_buckets, buckets, side="left")
+        last = torch.searchsorted(self.sorted_buckets, buckets, side="right")
+        return first.T.contiguous(), last.T.contiguous()
+
+    def admitted_buckets(self) -> torch.Tensor:
+        """`(n, L)` int32: where key j's bucket starts in table t's sorted keys if key j is
+        among the `bucket_limit` keys its bucket yields (`candidates`), else -1. Key j is a
+        candidate of a query in table t exactly when this equals the query's `first[t]`
+        (`bucket_ranges`) and that range is not empty. Made when first asked, then kept."""
+        if self.order is None:
+            raise RuntimeError("CompositeLSH.admitted_buckets before add()")
+        if self.admitted is None:
+            n = self.ntotal
+            position = torch.arange(n, device=self.order.device).expand(self.tables, n)
+            starts = torch.ones_like(self.sorted_buckets, dtype=torch.bool)
+            starts[:, 1:] = self.sorted_buckets[:, 1:] != self.sorted_buckets[:, :-1]
+            first = torch.where(starts, position, 0).cummax(dim=1).values
+            admitted = torch.where(position - first < self.bucket_limit, first, -1)
+            table = torch.empty(n, self.tables, dtype=torch.int32, device=self.order.device)
+            columns = torch.arange(self.tables, device=self.order.device).expand(n, -1).T
+            table[self.order, columns] = admitted.to(torch.int32)
+            self.admitted = table
+        return self.admitted
 
     def search(self, queries_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FAISS-shaped search: the `k` candidates with the best exact logits per query,
@@ -269,6 +297,7 @@ class CompositeLSH:
         self.keys = keys_w
         self.order = torch.from_numpy(state["order"])
         self.sorted_buckets = torch.from_numpy(state["sorted_buckets"])
+        self.admitted = None
 
 
 def _families(geometry, tables, bits, grid_hashes, grid_width, band, generator):

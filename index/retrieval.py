@@ -23,6 +23,7 @@ from .clusters import KeyClusters
 from .faiss_index import GeometryIndex, IndexSettings
 from .ivf_blocks import ivf_block_attention, ivf_block_topk, supports_ivf_blocks
 from .lsh import CompositeLSH
+from .lsh_attention import fused_lsh_applies, lsh_attention
 from .protocol import KeyIndex
 from .tail import tail_attention
 
@@ -197,6 +198,8 @@ def retrieval_attention(
         out, lse = _ivf_list_attention(
             q, k, v, geometry, index, top_k, positions if causal else None
         )
+    elif top_k is None and not (window or sinks) and fused_lsh_applies(index, geometry, q, k, v):
+        out, lse = lsh_attention(q, k, v, geometry, index, positions=positions if causal else None)
     else:
         out, lse = _candidate_attention(
             q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window,

@@ -169,10 +169,10 @@ def test_tail_attention_gives_the_same_answers_through_either_loop(monkeypatch, 
 
 def test_compile_ahead_fills_numbas_cache_with_every_loop(tmp_path):
     """What the image runs when it is built: the compiled loops (the exact part's, the value
-    shift's, the estimate's, the decode step's and the IVF shortlist's) end up in Numba's cache,
-    so a server's first decode step compiles nothing. For float32 only (float64 is the same
-    call with the other dtype, and compiling both into an empty cache took 44 s of the
-    suite)."""
+    shift's, the estimate's, the decode step's, the IVF shortlist's and the LSH attention's)
+    end up in Numba's cache, so a server's first decode step compiles nothing. For float32 only
+    (float64 is the same call with the other dtype, and compiling both into an empty cache
+    took 44 s of the suite)."""
     import os
     import subprocess
     import sys
@@ -182,12 +182,13 @@ def test_compile_ahead_fills_numbas_cache_with_every_loop(tmp_path):
         [sys.executable, "-c",
          "import numpy\nfrom rewa.index import largest\n"
          "from rewa.index.tail.decode import compile_ahead\n"
-         "compile_ahead((numpy.float32,))\nlargest.compile_ahead((numpy.float32,))"],
+         "compile_ahead((numpy.float32,))\nlargest.compile_ahead((numpy.float32,))\n"
+         "from rewa.index import lsh_attention\nlsh_attention.compile_ahead((numpy.float32,))"],
         check=True, env=environment, timeout=300,
     )  # fmt: skip
     cached = sorted(path.name for path in tmp_path.rglob("*.nbc"))
     loops = ("kernel._head_sums", "kernel._head_shift", "kernel._estimate_rows")
-    for loop in (*loops, "decode._decode_head", "largest._row_largest"):
+    for loop in (*loops, "decode._decode_head", "largest._row_largest", "_bucket_sums"):
         assert [name for name in cached if f"{loop}-" in name], cached
     # A decode step afterwards (float32, window and sinks read apart) adds no compiled version.
     step = (
