@@ -140,12 +140,16 @@ METHODS: dict[str, Callable] = {
 }
 
 
-def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
-    # The compiled shortlist's one-time load (Numba's, once per process) is paid here, as a
-    # long-lived process pays it once, not by the first run it would serve (what it costs:
-    # docs/indexes.md, "The probes' shortlist").
+def compile_loops() -> None:
+    """The compiled loops' one-time load (Numba's, once per process: the IVF shortlist's and
+    the LSH walk's) paid before any measurement, as a long-lived process pays it once, not by
+    the first run it would serve (what it costs: docs/indexes.md, "The probes' shortlist")."""
     largest.compile_ahead((np.float32,))
     lsh_attention.compile_ahead((np.float32,))
+
+
+def run(sizes: list[int], datasets: list[str], methods: list[str]) -> list[dict]:
+    compile_loops()
     records = []
     for dataset in datasets:
         for n in sizes:
@@ -244,6 +248,7 @@ def run_mechanisms(n: int = MECHANISM_N) -> list[dict]:
     clusters): dense exact attention and rewa's sparse attention (index build included) over the
     same 4096 queries; recall and mass recall of the candidate sets and the output error against
     the dense result on the first 1024."""
+    compile_loops()
     data = clustered(n)
     queries = data.q[:MECHANISM_QUERIES] / CLUSTERED_QUERY_SCALE
     sample = queries[:MECHANISM_SAMPLE]

@@ -265,7 +265,15 @@ class CompositeLSH:
 
     def search(self, queries_w: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """FAISS-shaped search: the `k` candidates with the best exact logits per query,
-        `(D, I)` of shape `(nq, k)`, logits descending, `-inf`/`-1` where fewer exist."""
+        `(D, I)` of shape `(nq, k)`, logits descending, `-inf`/`-1` where fewer exist. On the
+        CPU, for an inner-product geometry, by the compiled walk over the buckets
+        (`lsh_attention.lsh_best`), else by scoring the candidate sets."""
+        from .lsh_attention import inner_product_geometry, lsh_best  # it imports this module
+
+        on_cpu = queries_w.device.type == "cpu" and self.keys.device.type == "cpu"
+        needs_grad = torch.is_grad_enabled() and queries_w.requires_grad
+        if on_cpu and not needs_grad and inner_product_geometry(self.geometry):
+            return lsh_best(self, self.geometry, queries_w, self.keys, k)
         return best_candidates(self.geometry, queries_w, self.keys, self.candidates(queries_w), k)
 
     def state(self) -> dict[str, np.ndarray]:

@@ -1,15 +1,15 @@
-"""Attention over every composite LSH candidate in one compiled pass per query, for geometries
-whose logit is a scaled inner product of two witnesses (docs/indexes.md, "Attention over the
-LSH candidates").
+"""Attention over every composite LSH candidate in one compiled pass, for geometries whose
+logit is a scaled inner product of two witnesses (docs/indexes.md, "Attention over the LSH
+candidates").
 
 `retrieval_attention` with an LSH index and `top_k=None` attends to every key that shares a
 bucket with the query in any table. Through `build_candidates` and `sparse_attention` that
 meant, per query, a row of `tables x bucket_limit` (3072) slots sorted twice to drop repeats,
-and every candidate's key and value row gathered into a copy before the products: at 131,072
-keys about 2000 distinct candidates per query, and the self-attention took several times
-dense attention's time. Here a compiled loop walks each query's bucket ranges in the sorted
-tables, marks the keys it has seen in a stamp array (no sort), scores each new key in place
-and adds its value row to the query's sums: the keys and values are read once, never copied.
+and every candidate's key and value row gathered into a copy before the products. Here a
+compiled loop goes table by table; the queries that share a bucket are taken together and read
+its keys and values in place, once for all of them; a key is counted in the first table that
+yields it (`CompositeLSH.admitted_buckets`), and each query keeps an online softmax across
+tables.
 
 Applies (`fused_lsh_applies`) on the CPU, without autograd, for a geometry with one product
 term and no element-wise stage (`Geometry.score_terms`: the dot product, graded and random-
@@ -26,6 +26,7 @@ import torch
 
 from rewa.attention import Geometry
 from rewa.attention.numerics import compute_dtype
+from rewa.attention.sparse import attend_scored
 
 from .lsh import CompositeLSH
 from .tail.threads import spread
@@ -55,12 +56,18 @@ def fused_lsh_applies(
     gradient asked, and a geometry whose logit is one scaled inner product."""
     if not isinstance(index, CompositeLSH) or index.order is None:
         return False
-    if any(t.device.type != "cpu" for t in (q, k, v)):
+    if any(t.device.type != "cpu" for t in (q, k, v, index.order)):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return False
     if any(p.requires_grad for p in geometry.parameters()) and torch.is_grad_enabled():
         return False
+    return inner_product_geometry(geometry)
+
+
+def inner_product_geometry(geometry: Geometry) -> bool:
+    """Whether the geometry's logit is one scaled inner product of two witnesses (what the
+    compiled loop computes)."""
     with torch.no_grad():
         probe = geometry.witness(torch.zeros(1, geometry.dim))
         return _inner_product_term(geometry, probe, probe) is not None
@@ -73,47 +80,94 @@ def lsh_attention(
     geometry: Geometry,
     index: CompositeLSH,
     *,
+    top_k: int | None = None,
     positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of queries `(nq, d)` over every candidate of `index` (the keys sharing a
-    bucket with the query in any table, at most `bucket_limit` per bucket), each once; with
-    `positions` (causal), none after the query's position. The keys and answer of
-    `build_candidates` followed by `sparse_attention` over every candidate: `(out (nq, dv),
-    lse (nq,))`, a query with no key `(0, -inf)`. Call only where `fused_lsh_applies`."""
+    bucket with the query in any table, at most `bucket_limit` per bucket), each once, or over
+    the `top_k` of them with the largest logits; with `positions` (causal), none after the
+    query's position. The keys and answer of `build_candidates` followed by `sparse_attention`:
+    `(out (nq, dv), lse (nq,))`, a query with no key `(0, -inf)`. Call only where
+    `fused_lsh_applies`."""
     dtype = compute_dtype(q.dtype)
     with torch.no_grad():
-        qw, kw = geometry.witness(q.to(dtype)), index.keys.to(dtype)
-        queries, keys, weight = _inner_product_term(geometry, qw, kw)
-        first, last = index.bucket_ranges(qw)
+        qw, kw = geometry.witness(q.to(dtype)), geometry.witness(k.to(dtype))
+    values = v.detach().to(dtype)
+    if top_k is not None:
+        logits, ids = lsh_best(index, geometry, qw, kw, top_k, positions=positions)
+        out, lse = (t[0] for t in attend_scored(logits[None], ids[None], values[None]))
+    else:
+        out = values.new_zeros(q.shape[0], v.shape[1])
+        lse = values.new_full((q.shape[0],), float("-inf"))
+        no_best = (
+            np.zeros((q.shape[0], 0), out.numpy().dtype),
+            np.zeros((q.shape[0], 0), np.int64),
+        )
+        _walk(
+            index, geometry, qw, kw, values.numpy(), positions, out.numpy(), lse.numpy(), *no_best
+        )
+    return geometry.output_map(out).to(q.dtype), lse
+
+
+def lsh_best(
+    index: CompositeLSH,
+    geometry: Geometry,
+    queries_w: torch.Tensor,
+    keys_w: torch.Tensor,
+    k: int,
+    *,
+    positions: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` distinct candidates of `index` with the largest logits per query, from the
+    witnesses: `(logits, ids)` of shape `(nq, k)`, logits descending, `-inf` / `-1` where fewer
+    exist (`CompositeLSH.search`'s answer, through `best_candidates`); with `positions`, none
+    after the query's position. Call only where `fused_lsh_applies`."""
+    dtype = compute_dtype(queries_w.dtype)  # half-precision witnesses ranked in float32
+    queries_w, keys_w = queries_w.to(dtype), keys_w.to(dtype)
+    n_queries = queries_w.shape[0]
+    best = torch.full((n_queries, k), float("-inf"), dtype=dtype)
+    best_ids = torch.full((n_queries, k), -1, dtype=torch.int64)
+    unused = np.zeros((1, 1), best.numpy().dtype)  # no values, no sums: the loop only ranks
+    sums = (np.zeros((n_queries, 1), unused.dtype), np.zeros(n_queries, unused.dtype))
+    _walk(index, geometry, queries_w, keys_w, unused, positions, *sums, best.numpy(),
+          best_ids.numpy())  # fmt: skip
+    best, order = best.sort(dim=-1, descending=True)
+    return best, best_ids.gather(-1, order).masked_fill(torch.isinf(best), -1)
+
+
+def _walk(
+    index, geometry, queries_w, keys_w, values, positions, out, lse, best_logits, best_ids
+) -> None:
+    """`_bucket_walk` over the queries in one call per thread (the more queries a call holds,
+    the more of them share each bucket), writing `out` and `lse` or, when they have columns,
+    `best_logits` and `best_ids` (numpy arrays, one row per query)."""
+    with torch.no_grad():
+        queries, keys, weight = _inner_product_term(geometry, queries_w, keys_w)
+        first, last = index.bucket_ranges(queries_w)
         admitted = index.admitted_buckets()
-    n_queries = q.shape[0]
+    n_queries = queries_w.shape[0]
     queries = np.ascontiguousarray(queries.numpy())
     keys = np.ascontiguousarray(keys.numpy())
-    values = np.ascontiguousarray(v.detach().to(dtype).numpy())
-    weight = values.dtype.type(weight)  # the loop's products stay in the context's dtype
+    values = np.ascontiguousarray(values)
+    weight = keys.dtype.type(weight)  # the loop's products stay in the context's dtype
     causal = positions is not None
     spots = positions.numpy().astype(np.int64) if causal else np.zeros(n_queries, np.int64)
-    arrays = (index.order.numpy(), admitted.numpy(), first.numpy(), last.numpy())
-    out = np.zeros((n_queries, values.shape[1]), values.dtype)
-    lse = np.full(n_queries, -np.inf, values.dtype)
-    loop = _compiled(_bucket_sums)
-    # One call per thread: the more queries a call holds, the more of them share each bucket.
-    per_call = -(-n_queries // max(1, torch.get_num_threads()))
-    calls = [slice(start, start + per_call) for start in range(0, n_queries, per_call)]
-    order, admitted, first, last = arrays
+    order, admitted, first, last = (t.numpy() for t in (index.order, admitted, first, last))
+    loop = _compiled(_bucket_walk)
+    per_call = max(1, -(-n_queries // max(1, torch.get_num_threads())))
 
-    def run(rows: slice) -> None:
+    def run(start: int) -> None:
+        rows = slice(start, start + per_call)
         loop(
             queries[rows], keys, values, order, admitted, first[rows], last[rows],
             index.bucket_limit, weight, spots[rows], causal, out[rows], lse[rows],
+            best_logits[rows], best_ids[rows],
         )  # fmt: skip
 
-    spread(run, calls)
-    result = geometry.output_map(torch.from_numpy(out))
-    return result.to(q.dtype), torch.from_numpy(lse)
+    spread(run, range(0, n_queries, per_call))
 
 
-def _bucket_sums(
+def _bucket_walk(
     queries: np.ndarray,
     keys: np.ndarray,
     values: np.ndarray,
@@ -127,30 +181,37 @@ def _bucket_sums(
     causal: bool,
     out: np.ndarray,
     lse: np.ndarray,
+    best: np.ndarray,
+    best_ids: np.ndarray,
 ) -> None:
-    """Softmax attention of each query i over its candidates: in table t the keys
-    `order[t, first[i, t]:last[i, t]]`, at most `bucket_limit` of them, each counted in the
-    first table that yields it (key j came from an earlier table s when `admitted[j, s] ==
-    first[i, s]` and that range is not empty) and, when `causal`, none after `positions[i]`;
-    logits `weight * <queries[i], keys[j]>`. Writes `out[i]` (`softmax @ values`, given as
-    zeros) and `lse[i]` (given as -inf, left so where no key). Run compiled: `_compiled`.
+    """Each query i's candidates: in table t the keys `order[t, first[i, t]:last[i, t]]`, at
+    most `bucket_limit` of them, each counted in the first table that yields it (key j came
+    from an earlier table s when `admitted[j, s] == first[i, s]` and that range is not empty)
+    and, when `causal`, none after `positions[i]`; logits `weight * <queries[i], keys[j]>`.
+
+    Without columns in `best`: softmax attention over them, `out[i]` (`softmax @ values`,
+    given as zeros) and `lse[i]` (given as -inf, left so where no key). With k columns: the k
+    largest logits in `best[i]` (given as -inf, in no order) and their keys in `best_ids[i]`.
+    Run compiled: `_compiled`.
 
     Table by table, the queries that share a bucket are taken together, so that the bucket's
     keys, values and `admitted` rows are read from memory once for all of them; each query
-    keeps an online softmax (its largest logit so far, the sums relative to it) across
-    tables."""
+    keeps an online softmax (its largest logit so far, the sums relative to it) or its k
+    largest (and which of them is the least) across tables."""
     n_queries, dim = queries.shape
     n_tables, value_dim = order.shape[0], values.shape[1]
+    ranked = best.shape[1] > 0
     own = np.empty((n_queries, n_tables), np.int32)  # first[i, t], -2 where the range is empty
     for i in range(n_queries):
         for t in range(n_tables):
             own[i, t] = first[i, t] if last[i, t] > first[i, t] else -2
-    peak = np.full(n_queries, -np.inf, out.dtype)
-    total = np.zeros(n_queries, out.dtype)
-    logits = np.empty(bucket_limit, out.dtype)
+    peak = np.full(n_queries, -np.inf, keys.dtype)
+    total = np.zeros(n_queries, keys.dtype)
+    least = np.zeros(n_queries, np.int64)  # the column of best[i]'s smallest logit
+    logits = np.empty(bucket_limit, keys.dtype)
     found = np.empty(bucket_limit, np.int64)
     for t in range(n_tables):
-        by_bucket = np.argsort(own[:, t])  # the order within a bucket changes no sum
+        by_bucket = np.argsort(own[:, t])  # the order within a bucket changes no answer
         group = 0
         while group < n_queries:
             bucket = own[by_bucket[group], t]
@@ -181,6 +242,17 @@ def _bucket_sums(
                         found[count] = key
                         top = max(top, logits[count])
                         count += 1
+                    if ranked:
+                        for j in range(count):
+                            if logits[j] > best[i, least[i]]:
+                                best[i, least[i]] = logits[j]
+                                best_ids[i, least[i]] = found[j]
+                                lowest = 0
+                                for column in range(1, best.shape[1]):
+                                    if best[i, column] < best[i, lowest]:
+                                        lowest = column
+                                least[i] = lowest
+                        continue
                     if count == 0:
                         continue
                     if top > peak[i]:
@@ -216,10 +288,13 @@ def _compiled(loop: Callable) -> Callable:
 
 def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
     """Compiles the loop for contexts of `dtypes` now, into Numba's cache (the image does it
-    when it is built, so that a server's first LSH attention compiles nothing)."""
+    when it is built, so that a server's first LSH attention or search compiles nothing)."""
     for dtype in dtypes:
         rows, table = np.ones((1, 2), dtype), np.zeros((1, 1), np.int64)
-        _compiled(_bucket_sums)(
-            rows, rows, rows, table, np.zeros((1, 1), np.int32), table, table + 1, 1, 1.0,
-            np.zeros(1, np.int64), False, np.zeros((1, 2), dtype), np.full(1, -np.inf, dtype),
-        )  # fmt: skip
+        for columns in (0, 1):
+            _compiled(_bucket_walk)(
+                rows, rows, rows, table, np.zeros((1, 1), np.int32), table, table + 1, 1,
+                dtype(1), np.zeros(1, np.int64), False, np.zeros((1, 2), dtype),
+                np.full(1, -np.inf, dtype), np.full((1, columns), -np.inf, dtype),
+                np.full((1, columns), -1, np.int64),
+            )  # fmt: skip

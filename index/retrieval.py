@@ -198,8 +198,10 @@ def retrieval_attention(
         out, lse = _ivf_list_attention(
             q, k, v, geometry, index, top_k, positions if causal else None
         )
-    elif top_k is None and not (window or sinks) and fused_lsh_applies(index, geometry, q, k, v):
-        out, lse = lsh_attention(q, k, v, geometry, index, positions=positions if causal else None)
+    elif not (window or sinks) and fused_lsh_applies(index, geometry, q, k, v):
+        out, lse = lsh_attention(
+            q, k, v, geometry, index, top_k=top_k, positions=positions if causal else None
+        )
     else:
         out, lse = _candidate_attention(
             q, k, v, geometry, index, top_k=top_k, per_query=per_query, window=window,

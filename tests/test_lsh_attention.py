@@ -13,6 +13,7 @@ from benchmarks.data import clustered
 from rewa.attention import DotProduct, Euclidean, make_geometry, sparse_attention
 from rewa.index import CompositeLSH, build_candidates, build_index, retrieval_attention
 from rewa.index import retrieval as retrieval_module
+from rewa.index.candidates import best_candidates
 from rewa.index.lsh_attention import fused_lsh_applies, lsh_attention
 
 
@@ -22,15 +23,15 @@ def clustered_data(n, nq, d, seed, dtype=torch.float32):
     return SimpleNamespace(q=data.q[:nq].to(dtype), k=data.k.to(dtype), v=data.v.to(dtype))
 
 
-def by_candidate_sets(q, k, v, geometry, index, positions=None):
-    """The reference: every candidate of `index.candidates`, repeats dropped, attended by
-    `sparse_attention`."""
+def by_candidate_sets(q, k, v, geometry, index, positions=None, top_k=None):
+    """The reference: every candidate of `index.candidates` (or the `top_k` best), repeats
+    dropped, attended by `sparse_attention`."""
     with torch.no_grad():
         found = index.candidates(geometry.witness(q))
         causal = positions is not None
         candidates = build_candidates([found], k.shape[0], positions=positions, causal=causal)
         width = max(candidates.indices.shape[-1], 1)
-        return sparse_attention(q, k, v, geometry, candidates.indices, width)
+        return sparse_attention(q, k, v, geometry, candidates.indices, top_k or width)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -50,6 +51,42 @@ def test_every_candidate_once_as_the_candidate_sets(dtype, bucket_limit):
     assert out.dtype == dtype
 
 
+@pytest.mark.parametrize("top_k", [1, 16, 4000])
+def test_the_best_k_candidates_as_the_candidate_sets(top_k):
+    """`top_k` beyond every query's number of candidates (4000 > 64 x 48) reads them all."""
+    data = clustered_data(n=2048, nq=200, d=16, seed=9)
+    geometry = DotProduct(16)
+    index = build_index(data.k, geometry, "lsh")
+    with torch.no_grad():
+        out, lse = lsh_attention(data.q, data.k, data.v, geometry, index, top_k=top_k)
+    expected_out, expected_lse = by_candidate_sets(
+        data.q, data.k, data.v, geometry, index, top_k=top_k
+    )
+    torch.testing.assert_close(out, expected_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("k", [1, 10, 4000])
+def test_search_ranks_the_candidates_as_best_candidates(k):
+    """`CompositeLSH.search` by the compiled walk: the logits and keys that scoring the
+    candidate sets gives, `-inf` / `-1` in the columns a query has no candidate for."""
+    data = clustered_data(n=2048, nq=100, d=16, seed=10)
+    geometry = DotProduct(16)
+    index = build_index(data.k, geometry, "lsh")
+    with torch.no_grad():
+        qw = geometry.witness(data.q)
+        logits, ids = index.search(qw, k)
+        expected_logits, expected_ids = best_candidates(
+            geometry, qw, index.keys, index.candidates(qw), k
+        )
+    assert logits.shape == ids.shape == (100, k)
+    width = expected_ids.shape[1]
+    # The same keys; their order may differ where two logits differ by a rounding.
+    torch.testing.assert_close(logits[:, :width], expected_logits, rtol=2e-5, atol=2e-5)
+    assert torch.equal(ids[:, :width].sort().values, expected_ids.sort().values)
+    assert torch.all(ids[:, width:] == -1) and torch.isneginf(logits[:, width:]).all()
+
+
 def test_causal_self_attention_drops_the_keys_after_each_query():
     data = clustered_data(n=1500, nq=1500, d=16, seed=4)
     k = data.k
@@ -62,6 +99,10 @@ def test_causal_self_attention_drops_the_keys_after_each_query():
     expected_out, expected_lse = by_candidate_sets(q, k, data.v, geometry, index, positions)
     torch.testing.assert_close(out, expected_out, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=2e-5, atol=2e-5)
+    with torch.no_grad():
+        best = lsh_attention(q, k, data.v, geometry, index, top_k=8, positions=positions)
+    expected = by_candidate_sets(q, k, data.v, geometry, index, positions, top_k=8)
+    torch.testing.assert_close(best, expected, rtol=2e-5, atol=2e-5)
     # Query 0 may read key 0 only, if any: its answer is key 0's value or nothing.
     assert torch.isneginf(lse[0]) or torch.allclose(out[0], data.v[0], atol=1e-6)
 
@@ -145,9 +186,9 @@ def test_other_inner_product_geometries_go_through_the_compiled_pass(name, optio
 
 
 def test_retrieval_attention_takes_the_compiled_pass_only_where_it_applies(monkeypatch):
-    """An LSH index with every candidate (`top_k=None`), no window or sinks, no gradient asked:
-    the compiled pass, with the candidate sets' answer. A window, a `top_k`, a gradient or a
-    geometry with a distance stage (Euclidean) go through the candidate sets."""
+    """An LSH index, every candidate or a `top_k`, no window or sinks, no gradient asked: the
+    compiled pass, with the candidate sets' answer. A window, a gradient or a geometry with a
+    distance stage (Euclidean) go through the candidate sets."""
     data = clustered_data(n=1024, nq=64, d=16, seed=8)
     geometry = DotProduct(16)
     index = build_index(data.k, geometry, "lsh")
@@ -165,17 +206,34 @@ def test_retrieval_attention_takes_the_compiled_pass_only_where_it_applies(monke
     expected = by_candidate_sets(data.q, data.k, data.v, geometry, index)
     torch.testing.assert_close(out, expected[0], rtol=2e-5, atol=2e-5)
     with torch.no_grad():
+        best, _ = retrieval_attention(data.q, data.k, data.v, geometry, index=index, top_k=16)
+        assert calls == [1, 1]
+        expected = by_candidate_sets(data.q, data.k, data.v, geometry, index, top_k=16)
+        torch.testing.assert_close(best, expected[0], rtol=2e-5, atol=2e-5)
         retrieval_attention(data.q, data.k, data.v, geometry, index=index, window=8)
-        retrieval_attention(data.q, data.k, data.v, geometry, index=index, top_k=16)
     q = data.q.clone().requires_grad_()
     out, _ = retrieval_attention(q, data.k, data.v, geometry, index=index)
     out.sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and calls == [1, 1]
     euclidean = Euclidean(16)
     euclidean_index = build_index(data.k, euclidean, "lsh")
     assert not fused_lsh_applies(euclidean_index, euclidean, data.q, data.k, data.v)
     with torch.no_grad():
         retrieval_attention(data.q, data.k, data.v, euclidean, index=euclidean_index)
-    assert calls == [1]
+    assert calls == [1, 1]
     flat = build_index(data.k, geometry, "flat")
     assert not fused_lsh_applies(flat, geometry, data.q, data.k, data.v)
+
+
+def test_search_of_no_queries_and_of_half_precision_witnesses():
+    data = clustered_data(n=512, nq=20, d=8, seed=11)
+    geometry = DotProduct(8)
+    index = build_index(data.k, geometry, "lsh")
+    with torch.no_grad():
+        logits, ids = index.search(torch.zeros(0, 8), 5)
+        assert logits.shape == ids.shape == (0, 5)
+        half_logits, half_ids = index.search(data.q.half(), 5)
+        full_logits, full_ids = index.search(data.q.half().float(), 5)
+    assert half_logits.dtype == torch.float32
+    torch.testing.assert_close(half_logits, full_logits)
+    assert torch.equal(half_ids, full_ids)

@@ -188,7 +188,7 @@ def test_compile_ahead_fills_numbas_cache_with_every_loop(tmp_path):
     )  # fmt: skip
     cached = sorted(path.name for path in tmp_path.rglob("*.nbc"))
     loops = ("kernel._head_sums", "kernel._head_shift", "kernel._estimate_rows")
-    for loop in (*loops, "decode._decode_head", "largest._row_largest", "_bucket_sums"):
+    for loop in (*loops, "decode._decode_head", "largest._row_largest", "_bucket_walk"):
         assert [name for name in cached if f"{loop}-" in name], cached
     # A decode step afterwards (float32, window and sinks read apart) adds no compiled version.
     step = (
