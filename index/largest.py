@@ -13,12 +13,10 @@ process (what that costs: docs/indexes.md, "The probes' shortlist")."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
+from .compiled import compiled_loop
 from .tail.threads import spread
 
 # Rows per item spread over the threads.
@@ -47,7 +45,7 @@ def row_largest(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
     values = table.detach().contiguous().numpy()
     columns = np.full((values.shape[0], k), -1, np.int64)
     largest = np.empty((values.shape[0], k), values.dtype)
-    loop = _compiled(_row_largest)
+    loop = compiled_loop(_row_largest)
 
     def rows(start: int) -> None:
         own = slice(start, start + ROWS_PER_ITEM)
@@ -62,7 +60,7 @@ def row_largest(table: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor
 def _row_largest(table: np.ndarray, k: int, columns: np.ndarray, largest: np.ndarray) -> None:
     """Writes each row's k largest entries of `table` `(rows, n)` into `largest` and their
     columns into `columns` `(rows, k)`, largest first, ties in ascending column order (module
-    docstring). Run compiled: `_compiled`."""
+    docstring). Run compiled: `compiled_loop`."""
     n_columns = table.shape[1]
     held_values = np.empty(n_columns, table.dtype)
     held_columns = np.empty(n_columns, np.int64)
@@ -109,12 +107,4 @@ def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
     it is built, so that a server's first shortlist compiles nothing)."""
     for dtype in dtypes:
         table = np.zeros((1, MIN_GROUP), dtype)
-        _compiled(_row_largest)(table, 1, np.zeros((1, 1), np.int64), np.zeros((1, 1), dtype))
-
-
-@functools.cache
-def _compiled(loop: Callable) -> Callable:
-    """`loop` compiled by Numba, without the GIL; Numba is imported here, on first use."""
-    import numba
-
-    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(loop)
+        compiled_loop(_row_largest)(table, 1, np.zeros((1, 1), np.int64), np.zeros((1, 1), dtype))

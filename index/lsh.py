@@ -237,7 +237,7 @@ class CompositeLSH:
         """Where each query's bucket lies in each table's sorted keys: `(first, last)`, both
         `(nq, L)` int64, the keys `order[t, first:last]` (an empty range where none)."""
         if self.order is None:
-            raise RuntimeError("CompositeLSH.candidates before add()")
+            raise RuntimeError("CompositeLSH queried before add()")
         buckets = self._buckets(queries_w, "query").T.contiguous()  # (L, nq)
         first = torch.searchsorted(self.sorted_buckets, buckets, side="left")
         last = torch.searchsorted(self.sorted_buckets, buckets, side="right")

@@ -18,9 +18,6 @@ on first use and caches it on disk, as the tail's loops (`index/tail/kernel.py`)
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -28,6 +25,7 @@ from rewa.attention import Geometry
 from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import attend_scored
 
+from .compiled import compiled_loop
 from .lsh import CompositeLSH
 from .tail.threads import spread
 
@@ -58,9 +56,7 @@ def fused_lsh_applies(
         return False
     if any(t.device.type != "cpu" for t in (q, k, v, index.order)):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return False
-    if any(p.requires_grad for p in geometry.parameters()) and torch.is_grad_enabled():
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *geometry.parameters())):
         return False
     return inner_product_geometry(geometry)
 
@@ -153,7 +149,7 @@ def _walk(
     causal = positions is not None
     spots = positions.numpy().astype(np.int64) if causal else np.zeros(n_queries, np.int64)
     order, admitted, first, last = (t.numpy() for t in (index.order, admitted, first, last))
-    loop = _compiled(_bucket_walk)
+    loop = compiled_loop(_bucket_walk)
     per_call = max(1, -(-n_queries // max(1, torch.get_num_threads())))
 
     def run(start: int) -> None:
@@ -192,7 +188,7 @@ def _bucket_walk(
     Without columns in `best`: softmax attention over them, `out[i]` (`softmax @ values`,
     given as zeros) and `lse[i]` (given as -inf, left so where no key). With k columns: the k
     largest logits in `best[i]` (given as -inf, in no order) and their keys in `best_ids[i]`.
-    Run compiled: `_compiled`.
+    Run compiled: `compiled_loop`.
 
     Table by table, the queries that share a bucket are taken together, so that the bucket's
     keys, values and `admitted` rows are read from memory once for all of them; each query
@@ -278,21 +274,13 @@ def _bucket_walk(
             lse[i] = peak[i] + np.log(total[i])
 
 
-@functools.cache
-def _compiled(loop: Callable) -> Callable:
-    """`loop` compiled by Numba, without the GIL; Numba is imported here, on first use."""
-    import numba
-
-    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(loop)
-
-
 def compile_ahead(dtypes: tuple[type, ...] = (np.float32, np.float64)) -> None:
     """Compiles the loop for contexts of `dtypes` now, into Numba's cache (the image does it
     when it is built, so that a server's first LSH attention or search compiles nothing)."""
     for dtype in dtypes:
         rows, table = np.ones((1, 2), dtype), np.zeros((1, 1), np.int64)
         for columns in (0, 1):
-            _compiled(_bucket_walk)(
+            compiled_loop(_bucket_walk)(
                 rows, rows, rows, table, np.zeros((1, 1), np.int32), table, table + 1, 1,
                 dtype(1), np.zeros(1, np.int64), False, np.zeros((1, 2), dtype),
                 np.full(1, -np.inf, dtype), np.full((1, columns), -np.inf, dtype),

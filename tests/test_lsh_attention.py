@@ -127,7 +127,7 @@ def test_queries_with_no_candidate_answer_zero_and_minus_infinity():
     torch.testing.assert_close(lse[~empty], expected_lse[~empty], rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [2, 3])
 def test_the_answer_is_the_same_on_any_number_of_threads(threads):
     """The queries are split into one call per thread; a query's sums do not depend on which
     others share its call."""

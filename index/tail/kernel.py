@@ -28,13 +28,13 @@ directory, `NUMBA_CACHE_DIR`)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ..clusters import KeyClusters
+from ..compiled import compiled_loop
 from .threads import spread
 
 # The most (query, cluster) pairs per cluster on average for which the compiled loop runs;
@@ -127,16 +127,12 @@ def _head_sums(
         start = end
 
 
-@functools.cache
 def _compiled(loop: Callable) -> Callable:
-    """`loop` (`_head_sums`, `_head_shift`) compiled by Numba, without the GIL. Numba is
-    imported here, on first use: a process that never runs a loop does not pay for importing
-    it."""
-    import numba
-
+    """`loop` (`_head_sums`, `_head_shift`, the decode step's) compiled (`compiled_loop`), with
+    `prefetch_row`'s compiled form registered first (importing `prefetch` imports Numba)."""
     from . import prefetch  # noqa: F401 (registers prefetch_row's compiled form)
 
-    return numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})(loop)
+    return compiled_loop(loop)
 
 
 def dot_product_sums(
