@@ -4,7 +4,7 @@ nothing of indexes or the service. Research code built on it (RiemannFormer, the
 transformer layers, training aids) is `rewa.research`."""
 
 from .cone import Cone, penumbral_height, umbral_height
-from .dense import dense_attention
+from .dense import dense_attention, witness_attention
 from .dot import DotProduct
 from .euclidean import Euclidean
 from .geometry import (
@@ -57,4 +57,5 @@ __all__ = [
     "penumbral_height",
     "sparse_attention",
     "umbral_height",
+    "witness_attention",
 ]

@@ -90,16 +90,35 @@ def dense_attention(
         return _fused_dot_product(q, k, v, geometry.scale, causal)
     if q_chunk is None:
         q_chunk = default_q_chunk or cpu_query_chunk(math.prod(batch), k_chunk)
-    if q.device.type == "cpu":
-        retain_freed_memory()
     dtype = compute_dtype(q.dtype)
     qw = geometry.witness(q.to(dtype))
     kw = geometry.witness(k.to(dtype))
-    params = [p for p in geometry.parameters() if p.requires_grad]
-    out, lse = _TiledAttention.apply(
-        qw, kw, v.to(dtype), mask, causal, geometry, q_chunk, k_chunk, *params
-    )
+    out, lse = _tiled(qw, kw, v.to(dtype), geometry, mask, causal, q_chunk, k_chunk)
     return geometry.output_map(out).to(q.dtype), lse
+
+
+def witness_attention(
+    qw: torch.Tensor, kw: torch.Tensor, v: torch.Tensor, geometry: Geometry
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention `(out, lse)` of query witnesses `(..., nq, d_w)` over key witnesses
+    `(..., nk, d_w)` and values `(..., nk, dv)` of one shape and dtype, no mask, before the
+    geometry's output map: what `dense_attention` computes after its witness maps, for callers
+    that keep witnesses (the tail's clusters). The dot product's witnesses are its vectors and
+    take the fused kernel; every other geometry, the tiles."""
+    if _sdpa_applies(qw, kw, v, geometry, None, False):
+        return _fused_dot_product(qw, kw, v, geometry.scale, False)
+    q_chunk, k_chunk = DEFAULT_CHUNKS.get(qw.device.type, DEFAULT_CHUNKS["cuda"])
+    batch = torch.broadcast_shapes(qw.shape[:-2], kw.shape[:-2], v.shape[:-2])
+    q_chunk = q_chunk or cpu_query_chunk(math.prod(batch), k_chunk)
+    return _tiled(qw, kw, v, geometry, None, False, q_chunk, k_chunk)
+
+
+def _tiled(qw, kw, v, geometry, mask, causal, q_chunk, k_chunk):
+    """`_TiledAttention` over witnesses, with the geometry's trainable parameters."""
+    if qw.device.type == "cpu":
+        retain_freed_memory()
+    params = [p for p in geometry.parameters() if p.requires_grad]
+    return _TiledAttention.apply(qw, kw, v, mask, causal, geometry, q_chunk, k_chunk, *params)
 
 
 def cpu_query_chunk(batch: int, k_chunk: int) -> int:

@@ -116,8 +116,17 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
         (d, g, m)
         for d in ("clustered", "tree")
         for g in ("dot", "sphere", "poincare")
-        for m in ("dense", "build", "topk", "tail")
+        for m in ("dense", "build", "topk", "tail", "measured")
     }
+    # The option `measured_queries` at 1 and 2 %: its 32 exact queries read every key.
+    tail = {(r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"}
+    measured = [r for r in records if r["mode"] == "measured"]
+    assert {r["budget"] for r in measured} == {0.01, 0.02}
+    for r in measured:
+        # The 32 rows read every key instead of their own clusters' (at most 7 % of the keys).
+        same = tail[r["dataset"], r["geometry"], r["budget"]]["keys_read_frac"]
+        expected = same + 32 / 1024 * (1 - same)
+        assert r["keys_read_frac"] == pytest.approx(expected, abs=32 / 1024 * 0.07)
     # 4096 keys: every budget (20 to 82 keys) holds less than a cluster (about 256 keys), so
     # each query reads its most massive cluster whole and nothing else (both modes read the
     # same clusters).
@@ -137,7 +146,7 @@ def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
         ("text-numpy", "dot", 5)
     }
     assert {r["head"] for r in records} == set(range(12))
-    assert {r["mode"] for r in records} == {"dense", "build", "topk", "tail"}
+    assert {r["mode"] for r in records} == {"dense", "build", "topk", "tail", "measured"}
     assert (tmp_path / "tail.png").stat().st_size > 10_000
 
 

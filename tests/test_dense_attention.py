@@ -8,7 +8,13 @@ import torch
 from torch.nn import functional as F
 
 from benchmarks.measure import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from rewa.attention import DotProduct, cpu_kernel, dense_attention, merge_attention
+from rewa.attention import (
+    DotProduct,
+    cpu_kernel,
+    dense_attention,
+    merge_attention,
+    witness_attention,
+)
 from rewa.attention.dense import cpu_query_chunk
 from tests import reference
 from tests.support import GEOMETRY_NAMES, build_geometry
@@ -271,3 +277,16 @@ def test_no_queries_give_empty_answers_on_the_autograd_graph(name, causal):
     assert out.shape == (2, 3, 0, 8) and lse.shape == (2, 3, 0)
     (out.sum() + lse.sum()).backward()
     assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("name", GEOMETRY_NAMES)
+def test_attention_over_witnesses_is_dense_attention_before_the_output_map(name):
+    geometry = build_geometry(name, 8)
+    generator = torch.Generator().manual_seed(4)
+    q = 0.5 * torch.randn(2, 9, 8, generator=generator, dtype=torch.float64)
+    k = 0.5 * torch.randn(2, 300, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, 300, 8, generator=generator, dtype=torch.float64)
+    out, lse = dense_attention(q, k, v, geometry)
+    found, found_lse = witness_attention(geometry.witness(q), geometry.witness(k), v, geometry)
+    torch.testing.assert_close(geometry.output_map(found), out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(found_lse, lse, rtol=1e-10, atol=1e-10)

@@ -33,6 +33,7 @@ from .decode import compiled_step_applies, decode_step
 from .estimate import ClusterEstimate, estimate_clusters
 from .exact import _largest_logit_estimate, _visited_apart
 from .fixed_step import fixed_shape_step, fixed_shape_step_applies
+from .measured import measured_shrinkage
 from .selection import ordinary_averages, select_clusters, walk_widths
 from .unread import _tail_estimate, shift_dtype
 
@@ -66,13 +67,16 @@ class TailOptions(TypedDict, total=False):
     """The options every tail-attention function takes, with their defaults: `budget` (0.02),
     the fraction of all keys a query reads exactly; `tail` (True), whether every other
     cluster's estimate is merged in; `always` (None), key ids every query reads exactly (window
-    and sinks); `query_block` (None: `default_query_block`), queries per pass.
-    `tail_attention_heads_with_reads` holds the defaults."""
+    and sinks); `query_block` (None: `default_query_block`), queries per pass;
+    `measured_queries` (0), how many of the call's queries per head are answered by exact
+    attention over every key to fit how far each head's answers move toward the tail estimate
+    (`measured.py`; with `tail` only). `tail_attention_heads_with_reads` holds the defaults."""
 
     budget: float
     tail: bool
     always: torch.Tensor | None
     query_block: int | None
+    measured_queries: int
 
 
 # A pass over a block of queries keeps several (heads x queries, clusters) tables; the default
@@ -143,6 +147,7 @@ def tail_attention_heads_with_reads(
     tail: bool = True,
     always: torch.Tensor | None = None,
     query_block: int | None = None,
+    measured_queries: int = 0,
 ) -> TailAttention:
     """`tail_attention_heads` with the keys each query of each head read exactly,
     `keys_read (H, nq)`."""
@@ -157,6 +162,9 @@ def tail_attention_heads_with_reads(
         query_block = default_query_block(heads.n_heads, heads.n_clusters)
     elif query_block < 1:
         raise ValueError(f"expected a query_block of at least 1 query, got {query_block}")
+    if measured_queries < 0:
+        raise ValueError(f"expected measured_queries >= 0, got {measured_queries}")
+    measured = tail and measured_queries > 0
     if q.device.type == "cpu":
         # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
         retain_freed_memory()
@@ -167,7 +175,7 @@ def tail_attention_heads_with_reads(
         empty = qw[..., :1].expand(-1, -1, heads.heads[0].values.shape[-1])
         reads = torch.zeros(n_heads, 0, dtype=torch.long, device=qw.device)
         return TailAttention(geometry.output_map(empty), qw[..., 0], reads)
-    if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
+    if not measured and budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
         return TailAttention(*decode_step(qw, heads, budget * n_keys))
     if always is not None and always.numel() > 0:
         always = always.unique()
@@ -175,7 +183,7 @@ def tail_attention_heads_with_reads(
             raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
     n_always = 0 if always is None else len(always)
     budget_keys = budget * n_keys - n_always
-    if fixed_shape_step_applies(qw, heads, tail, budget_keys, n_always):
+    if not measured and fixed_shape_step_applies(qw, heads, tail, budget_keys, n_always):
         return TailAttention(*fixed_shape_step(qw, heads, budget_keys, always))
     is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
     counts = heads.counts
@@ -184,7 +192,7 @@ def tail_attention_heads_with_reads(
     exact_read = heads.exact_read
     # Each head's walk width, from its own clusters (as in a call of its own).
     head_widths = walk_widths(ordinary_averages(counts, exact_read), budget_keys, heads.n_clusters)
-    outs, lses, reads = [], [], []
+    outs, lses, reads, read_outs = [], [], [], []
     for start in range(0, qw.shape[1], query_block):
         block = qw[:, start : start + query_block]
         n_queries = block.shape[1]
@@ -207,6 +215,8 @@ def tail_attention_heads_with_reads(
         if n_always:
             scores = geometry.score(block, always_keys)
             parts.append(tuple(t.flatten(0, 1) for t in softmax_attend(scores, always_values)))
+        if measured:
+            read_outs.append(merge_attention(*parts)[0].view(n_heads, n_queries, -1))
         if tail:
             log_mass = calibrated(rows, ordinary_query, ordinary_cluster, visited[1].detach())
             unvisited = log_mass.index_put(
@@ -226,9 +236,11 @@ def tail_attention_heads_with_reads(
         lses.append(lse.view(n_heads, n_queries))
         read = pair_counts.new_zeros(n_heads * n_queries).index_add_(0, pair_query, pair_counts)
         reads.append(read.view(n_heads, n_queries) + n_always)
-    return TailAttention(
-        geometry.output_map(torch.cat(outs, dim=1)), torch.cat(lses, dim=1), torch.cat(reads, dim=1)
-    )
+    out, lse, read = (torch.cat(t, dim=1) for t in (outs, lses, reads))
+    if measured:
+        read_out = torch.cat(read_outs, dim=1)
+        out, lse, read = measured_shrinkage(qw, heads, read_out, (out, lse), read, measured_queries)
+    return TailAttention(geometry.output_map(out), lse, read)
 
 
 def _per_row(stacked: torch.Tensor, n_queries: int) -> torch.Tensor:
