@@ -70,7 +70,8 @@ class TailOptions(TypedDict, total=False):
     and sinks); `query_block` (None: `default_query_block`), queries per pass;
     `measured_queries` (0), how many of the call's queries per head are answered by exact
     attention over every key to fit how far each head's answers move toward the tail estimate
-    (`measured.py`; with `tail` only). `tail_attention_heads_with_reads` holds the defaults."""
+    (`measured.py`; with `tail` only; a measured call takes the batched stages, never a decode
+    step's compiled or fixed-shape one). `tail_attention_heads_with_reads` holds the defaults."""
 
     budget: float
     tail: bool
