@@ -75,6 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     attend.add_argument("--top-k", type=int, help="topk mode: keys attended per query")
     attend.add_argument("--budget", type=float)
     attend.add_argument("--return-topk", type=int)
+    attend.add_argument(
+        "--measured-queries", type=int, help="tail mode: queries per head answered exactly"
+    )
     attend.add_argument("--out", type=Path, help=".npz with out, lse (and ids, weights)")
     attend.add_argument("--json", action="store_true", help="a JSON summary instead of a table")
 
@@ -225,6 +228,7 @@ def attend_command(client, args: argparse.Namespace) -> None:
         top_k=args.top_k,
         budget=args.budget,
         return_topk=args.return_topk,
+        measured_queries=args.measured_queries,
     )
     _save(args.out, out=result.out, lse=result.lse, ids=result.ids, weights=result.weights)
     if args.json:

@@ -456,10 +456,13 @@ class _Operations:
         sinks: int | None = None,
         return_topk: int | None = None,
         layer: int | None = None,
+        measured_queries: int | None = None,
     ) -> Operation[AttendResult]:
         """Attention of queries `(heads, n, head_dim)` over the stored context (`layer`: the
         layer of a multi-layer document): an
-        `AttendResult`. `mode` tail (the server's default), topk or exact. With the client's
+        `AttendResult`. `mode` tail (the server's default), topk or exact; `measured_queries`
+        (tail mode): that many queries per head answered exactly, the others moved toward the
+        keys read by a factor fitted on them. With the client's
         `wire` safetensors (the default) queries and answer travel as safetensors bodies, else
         as base64 JSON."""
         options = {"exact": exact} | _settings(
@@ -470,6 +473,7 @@ class _Operations:
             sinks=sinks,
             return_topk=return_topk,
             layer=layer,
+            measured_queries=measured_queries,
         )
         path = f"/v1/contexts/{context_id}/attend"
         if self.wire == "json":
@@ -529,15 +533,17 @@ class _Operations:
         window: int | None = None,
         sinks: int | None = None,
         layer: int | None = None,
+        measured_queries: int | None = None,
     ) -> Operation[AttendResult]:
         """Rows `[start, end)` of the stored context attend over it (`queries` for those rows,
-        or the stored keys): an `AttendResult`."""
+        or the stored keys): an `AttendResult`. `measured_queries` as for `attend`, not causal."""
         body: dict[str, Any] = {"start": start, "causal": causal, "exact": exact}
         if queries is not None:
             body["queries"] = encode_tensor(queries)
         body |= _settings(
-            end=end, mode=mode, top_k=top_k, budget=budget, window=window, sinks=sinks, layer=layer
-        )
+            end=end, mode=mode, top_k=top_k, budget=budget, window=window, sinks=sinks,
+            layer=layer, measured_queries=measured_queries,
+        )  # fmt: skip
         path = f"/v1/contexts/{context_id}/self-attention"
         response = yield _Request("POST", path, json=body)
         return _attend_result(response.json(), is_torch(queries))

@@ -207,6 +207,7 @@ class AttendParams:
     window: int
     sinks: int
     return_topk: int | None = None
+    measured_queries: int = 0  # tail: queries per head answered exactly (index/tail/measured.py)
 
 
 class Engine:
@@ -684,7 +685,13 @@ class Engine:
             always = always[always < count]
             step = compiled_step_applies(q, index, always, tail=True)
             with intra_op_threads(0 if step else self.sparse_threads):
-                return tail_attention_heads(q, index, budget=params.budget, always=always)
+                return tail_attention_heads(
+                    q,
+                    index,
+                    budget=params.budget,
+                    always=always,
+                    measured_queries=params.measured_queries,
+                )
         # The window around each query's position: its keys after `count` are dropped here
         # (candidates past the keys given) and read in the unindexed part.
         with intra_op_threads(self.sparse_threads):

@@ -279,6 +279,11 @@ def _params(
         _check_top_k("top_k", body.top_k, n_tokens, settings.max_k)
     if return_topk is not None:
         _check_top_k("return_topk", return_topk, n_tokens, settings.max_k)
+    measured_queries = body.measured_queries or 0
+    if measured_queries and mode != "tail":
+        raise invalid("measured_queries", f"0 in {mode} mode (tail mode only)", measured_queries)
+    if measured_queries and getattr(body, "causal", False):
+        raise invalid("measured_queries", "0 with causal (tail mode, not causal)", measured_queries)
     return AttendParams(
         mode=mode,
         top_k=body.top_k if body.top_k is not None else min(index.top_k, n_tokens),
@@ -286,6 +291,7 @@ def _params(
         window=min(body.window if body.window is not None else index.window, 2 * n_tokens + 1),
         sinks=min(body.sinks if body.sinks is not None else index.sinks, n_tokens),
         return_topk=return_topk,
+        measured_queries=measured_queries,
     )
 
 
@@ -849,7 +855,12 @@ async def attend(
         loaded = _loaded(engine, namespace, record, layer)
         return engine.attend(loaded, merged_payload(batch), params)
 
-    key = (namespace, context_id, record["version"], layer, params)
+    # A measured call fits its factor over its own queries: never merged with another client's.
+    key = (
+        None
+        if params.measured_queries
+        else (namespace, context_id, record["version"], layer, params)
+    )
     result = await _compute(
         request,
         response,

@@ -163,6 +163,11 @@ class AttendOptions(Strict):
     budget: float | None = Field(None, gt=0, le=1, description="tail mode: fraction read")
     window: integer(ge=0) | None = None
     sinks: integer(ge=0) | None = None
+    measured_queries: integer(ge=0) | None = Field(
+        None,
+        description="tail mode: queries per head answered exactly, fitting how far the others "
+        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail'); not causal",
+    )
     return_topk: integer(ge=1) | None = Field(
         None, description="also return each query's best ids and attention weights"
     )
@@ -210,6 +215,11 @@ class SelfAttentionRequest(Strict):
     budget: float | None = Field(None, gt=0, le=1)
     window: integer(ge=0) | None = None
     sinks: integer(ge=0) | None = None
+    measured_queries: integer(ge=0) | None = Field(
+        None,
+        description="tail mode: queries per head answered exactly, fitting how far the others "
+        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail'); not causal",
+    )
     layer: Layer = None
 
 

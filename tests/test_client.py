@@ -337,6 +337,14 @@ def test_the_cli_commands_end_to_end(server, data, tmp_path, capsys):
     with np.load(tmp_path / "out.npz") as saved:
         _close(saved["out"], expected[0])
         _close(saved["lse"], expected[1])
+    # --measured-queries reaches the server, which takes it in tail mode only.
+    measured = ("attend", context_id, str(tmp_path / "q.npy"), "--measured-queries", "4")
+    _cli(capsys, *measured, "--out", str(tmp_path / "m.npz"), *url)
+    with np.load(tmp_path / "m.npz") as saved:
+        _close(saved["out"], expected[0])  # the open segment's keys only: read exactly
+    with pytest.raises(SystemExit):
+        cli.main([*measured, "--mode", "topk", *url])
+    assert "measured_queries" in capsys.readouterr().err
     found = json.loads(_cli(capsys, "search", context_id, str(tmp_path / "q.npy"), "--top-k", "3",
                             "--exact", "--json", *url))  # fmt: skip
     assert np.array(found["ids"]).shape == (H, 4, 3)
@@ -390,6 +398,16 @@ def test_both_wires_give_the_same_answers(server, data):
             assert (a.mode, a.version) == (b.mode, b.version) == ("topk", 1)
             for name in ("out", "lse", "ids", "weights"):
                 assert np.array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+        # A measured tail attend (its options in the safetensors metadata, or in the JSON):
+        # queries 0 and 3 of each head answered exactly.
+        binary.build_index(context["id"], ["tail"])
+        a = binary.attend(context["id"], queries, measured_queries=2)
+        b = as_json.attend(context["id"], queries, measured_queries=2)
+        assert torch.equal(a.out, b.out) and a.mode == "tail"
+        exact = dense_attention(queries, keys, values, make_geometry("dot", D))
+        _close(a.out[:, [0, 3]], exact[0][:, [0, 3]])
+        rows = binary.self_attention(context["id"], start=0, end=10, measured_queries=10)
+        _close(rows.out, dense_attention(keys[:, :10], keys, values, make_geometry("dot", D))[0])
         binary.delete_context(context["id"])
     with pytest.raises(ValueError, match="wire"):
         Client(server.url, wire="msgpack")

@@ -15,13 +15,16 @@ from safetensors.torch import load, save
 
 from rewa.attention import GeometricAttention, dense_attention, make_geometry, merge_attention
 from rewa.index import (
+    ClusterHeads,
     KeyClusters,
     LocalMemory,
     build_index,
     causal_tail_attention,
     retrieval_attention,
     sealed_keys,
+    tail_attention_heads,
 )
+from rewa.index.tail.measured import measured_rows
 from rewa.service.routes import _params
 from rewa.service.schemas import AttendOptions
 from rewa.service.settings import Settings
@@ -477,6 +480,62 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
         response = client.post(f"/v1/contexts/{cone['id']}/index")  # its default: topk
         assert response.status_code == 200 and response.json()["built"] == ["topk"]
         client.delete(f"/v1/contexts/{cone['id']}")
+
+
+def test_a_measured_tail_answers_its_measured_queries_exactly(server, data):
+    """`measured_queries` (index/tail/measured.py) over HTTP: attend and self-attention answer as
+    the library does, the measured rows exactly; other modes and causal refuse it."""
+    keys, values, _ = data
+    geometry = make_geometry("dot", D)
+    queries = torch.randn(H, 40, D, generator=torch.Generator().manual_seed(11))
+    with server.client() as client:
+        context = create_context(client)
+        upload(client, context["id"], keys, values)
+        response = client.post(f"/v1/contexts/{context['id']}/index", json={"modes": ["tail"]})
+        assert response.status_code == 200, response.text
+        out, lse, body = attend(client, context["id"], queries, measured_queries=4)
+        assert body["mode"] == "tail"
+        sealed = sealed_keys(N)
+        heads = ClusterHeads.stacked([
+            KeyClusters.build(geometry.witness(keys[h, :sealed]), values[h, :sealed], geometry)
+            for h in range(H)
+        ])  # fmt: skip
+        indexed = tail_attention_heads(queries, heads, budget=0.02, measured_queries=4)
+        recent = dense_attention(queries, keys[:, sealed:], values[:, sealed:], geometry)
+        expected = merge_attention(indexed, recent)
+        torch.testing.assert_close(out, expected[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, expected[1], rtol=1e-5, atol=1e-5)
+        rows = measured_rows(40, 4, queries.device)
+        exact = dense_attention(queries, keys, values, geometry)
+        torch.testing.assert_close(out[:, rows], exact[0][:, rows], rtol=1e-5, atol=1e-5)
+        plain, _, _ = attend(client, context["id"], queries)
+        assert not torch.allclose(plain[:, rows], out[:, rows], rtol=1e-5, atol=1e-5)
+
+        # Self-attention of rows [0, 100), the stored keys as queries: rows 0, 33, 66, 99 exact.
+        url = f"/v1/contexts/{context['id']}/self-attention"
+        response = client.post(url, json={"start": 0, "end": 100, "measured_queries": 4})
+        assert response.status_code == 200, response.text
+        found = decode(response.json()["out"])
+        exact = dense_attention(keys[:, :100], keys, values, geometry)[0]
+        rows = measured_rows(100, 4, queries.device)
+        torch.testing.assert_close(found[:, rows], exact[:, rows], rtol=1e-5, atol=1e-5)
+
+        for request, path in (
+            ({"queries": encode(queries), "mode": "topk", "measured_queries": 4}, "attend"),
+            ({"queries": encode(queries), "exact": True, "measured_queries": 1}, "attend"),
+            ({"start": 0, "end": 100, "causal": True, "mode": "tail", "measured_queries": 4},
+             "self-attention"),
+        ):  # fmt: skip
+            response = client.post(f"/v1/contexts/{context['id']}/{path}", json=request)
+            assert response.status_code == 400, response.text
+            assert response.json()["error"]["param"] == "measured_queries"
+        response = client.post(
+            f"/v1/contexts/{context['id']}/attend",
+            json={"queries": encode(queries), "measured_queries": -1},
+        )
+        assert response.status_code == 422
+        assert response.json()["error"]["param"] == "measured_queries"
+        client.delete(f"/v1/contexts/{context['id']}")
 
 
 def test_attend_speaks_safetensors_both_ways_and_answers_as_json_does(server, data):
