@@ -295,6 +295,17 @@ def _params(
     )
 
 
+def attend_batch_key(
+    namespace: str, context_id: str, version: int, layer: int | None, params: AttendParams
+) -> tuple | None:
+    """The key under which attends are merged into one call (`batcher.Job.key`): the same
+    context version, layer and parameters; None (never merged) for a measured tail attend,
+    whose factor is fitted over its own queries and must not depend on another client's."""
+    if params.measured_queries:
+        return None
+    return (namespace, context_id, version, layer, params)
+
+
 async def _committed(store: ContextStore, namespace: str, context_id: str) -> ContextRecord:
     record = await _stored(store.get, namespace, context_id)
     if record["n_tokens"] == 0:
@@ -855,12 +866,7 @@ async def attend(
         loaded = _loaded(engine, namespace, record, layer)
         return engine.attend(loaded, merged_payload(batch), params)
 
-    # A measured call fits its factor over its own queries: never merged with another client's.
-    key = (
-        None
-        if params.measured_queries
-        else (namespace, context_id, record["version"], layer, params)
-    )
+    key = attend_batch_key(namespace, context_id, record["version"], layer, params)
     result = await _compute(
         request,
         response,

@@ -25,7 +25,7 @@ from rewa.index import (
     tail_attention_heads,
 )
 from rewa.index.tail.measured import measured_rows
-from rewa.service.routes import _params
+from rewa.service.routes import _params, attend_batch_key
 from rewa.service.schemas import AttendOptions
 from rewa.service.settings import Settings
 from tests.service_support import (
@@ -536,6 +536,15 @@ def test_a_measured_tail_answers_its_measured_queries_exactly(server, data):
         assert response.status_code == 422
         assert response.json()["error"]["param"] == "measured_queries"
         client.delete(f"/v1/contexts/{context['id']}")
+
+
+def test_measured_attends_are_never_merged_with_others():
+    record = {"index": {"kind": "ivf"}, "n_tokens": 5000}
+    plain = _params(AttendOptions(), record, Settings(), "tail", None)
+    measured = _params(AttendOptions(measured_queries=8), record, Settings(), "tail", None)
+    assert measured.measured_queries == 8 and plain.measured_queries == 0
+    assert attend_batch_key("ns", "c", 1, None, plain) == ("ns", "c", 1, None, plain)
+    assert attend_batch_key("ns", "c", 1, None, measured) is None
 
 
 def test_attend_speaks_safetensors_both_ways_and_answers_as_json_does(server, data):
