@@ -142,6 +142,32 @@ def test_tail_attention_on_cuda_equals_the_cpu(name):
     torch.testing.assert_close(lse.cpu(), expected_lse, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("name", ["dot", "poincare"])
+def test_a_measured_tail_call_on_cuda_answers_its_measured_queries_exactly(name):
+    """`measured_queries` on the GPU (index/tail/measured.py): the measured rows are dense
+    attention (the fused kernel for the dot product), the rest near the CPU's answers."""
+    g_cpu = build_geometry(name, 16).float()
+    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
+    generator = torch.Generator().manual_seed(5)
+    k = torch.randn(3000, 16, generator=generator)
+    v = torch.randn(3000, 8, generator=generator)
+    q = torch.randn(100, 16, generator=generator)
+    options = {"budget": 0.05, "measured_queries": 8}
+    with torch.no_grad():
+        clusters = KeyClusters.build(g_cpu.witness(k), v, g_cpu, n_clusters=12)
+        on_cuda = KeyClusters.from_bytes(clusters.to_bytes(), g_cuda, device=CUDA)
+        expected, _, cpu_read = tail_attention_with_reads(q, clusters, **options)
+        out, lse, cuda_read = tail_attention_with_reads(q.to(CUDA), on_cuda, **options)
+        exact, exact_lse = dense_attention(q.to(CUDA), k.to(CUDA), v.to(CUDA), g_cuda)
+    assert torch.equal(cuda_read.cpu(), cpu_read)
+    rows = (cuda_read == 3000).nonzero().squeeze(-1)
+    assert len(rows) == 8
+    torch.testing.assert_close(out[rows], exact[rows], **F32)
+    torch.testing.assert_close(lse[rows], exact_lse[rows], **F32)
+    difference = (out.cpu() - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert difference.max() < 1e-2
+
+
 @pytest.mark.parametrize("index", ["flat", "lsh"])
 def test_retrieval_attention_on_cuda_equals_the_cpu(index):
     """The index is built by the same (CPU) FAISS or LSH code on both devices; the candidate
