@@ -41,13 +41,17 @@ def causal_tail_attention(
     window: int = 0,
     sinks: int = 0,
     segment: int = DEFAULT_SEGMENT,
+    measured_queries: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out (nq, dv), lse (nq,))` of queries `(nq, d)` at `positions` `(nq,)` over keys
     `(nk, d)` and values `(nk, dv)`, query i seeing keys `[0, positions[i]]`. `budget` is the
     fraction of the keys before a query's segment that it reads exactly (at least
     `MIN_KEYS_READ` of them); `tail=False` leaves the unread clusters out. The first `sinks`
     keys, and the `window` keys before a query's segment (its window reaches there at most),
-    are read exactly besides. Gradients reach q, and k and v through the exact part."""
+    are read exactly besides. `measured_queries`: that many queries of each segment answered
+    exactly over the keys before it, fitting the others' shrinkage toward the keys read
+    (`tail_attention`'s option, index/tail/measured.py). Gradients reach q, and k and v through
+    the exact part."""
     if q.dim() != 2 or k.dim() != 2 or v.dim() != 2 or k.shape[0] != v.shape[0]:
         raise ValueError(
             f"expected q (nq, d), k (nk, d), v (nk, dv), got {tuple(q.shape)}, "
@@ -90,7 +94,10 @@ def causal_tail_attention(
                     torch.arange(max(start - window, 0), start, device=k.device),
                 ]
             )
-            estimate = tail_attention(q[rows], earlier, budget=fraction, tail=tail, always=always)
+            estimate = tail_attention(
+                q[rows], earlier, budget=fraction, tail=tail, always=always,
+                measured_queries=measured_queries,
+            )  # fmt: skip
             part = merge_attention(part, estimate)
         outs.append(part[0])
         lses.append(part[1])

@@ -15,6 +15,7 @@ from rewa.index import (
     tail_attention,
 )
 from rewa.index.causal import MIN_KEYS_READ
+from rewa.index.tail.measured import measured_rows
 
 
 def _diffuse(n, d=16, seed=0):
@@ -39,6 +40,30 @@ def test_a_full_budget_is_exact_causal_attention(geometry):
         out, lse = causal_tail_attention(q, k, v, g, positions, budget=1.0, segment=700)
         expected = dense_attention(q, k, v, g, causal=True)
     torch.testing.assert_close((out, lse), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_measured_queries_of_each_segment_are_exact():
+    g = make_geometry("dot", 16)
+    q, k, v = _diffuse(3000)
+    positions = torch.arange(3000)
+    with torch.no_grad():
+        # Every query of a segment measured (700 per segment): exact causal attention.
+        out, lse = causal_tail_attention(q, k, v, g, positions, segment=700, measured_queries=700)
+        expected = dense_attention(q, k, v, g, causal=True)
+        torch.testing.assert_close((out, lse), expected, rtol=1e-4, atol=1e-4)
+    # Four per segment (how the others move: tests/test_tail_measured.py): those rows exact.
+    # Segments of 3000 after 10,000 keys: the ones after the first read 2048 of the keys before.
+    q, k, v = _diffuse(10_000)
+    positions = torch.arange(10_000)
+    with torch.no_grad():
+        out, _ = causal_tail_attention(q, k, v, g, positions, segment=3000, measured_queries=4)
+        tail, _ = causal_tail_attention(q, k, v, g, positions, segment=3000)
+        expected = dense_attention(q, k, v, g, causal=True)
+    for start, size in ((3000, 3000), (6000, 3000), (9000, 1000)):
+        measured = measured_rows(size, 4, q.device) + start
+        torch.testing.assert_close(out[measured], expected[0][measured], rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(tail[measured], expected[0][measured], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out[:3000], tail[:3000])  # the first segment reads itself only
 
 
 @pytest.mark.parametrize("geometry", ["dot", "poincare"])
