@@ -536,7 +536,8 @@ class _Operations:
         measured_queries: int | None = None,
     ) -> Operation[AttendResult]:
         """Rows `[start, end)` of the stored context attend over it (`queries` for those rows,
-        or the stored keys): an `AttendResult`. `measured_queries` as for `attend`, not causal."""
+        or the stored keys): an `AttendResult`. `measured_queries` as for `attend` (causal:
+        per segment)."""
         body: dict[str, Any] = {"start": start, "causal": causal, "exact": exact}
         if queries is not None:
             body["queries"] = encode_tensor(queries)

@@ -63,6 +63,8 @@ def causal_tail_attention(
         raise ValueError(f"expected a segment of at least one key, got {segment}")
     if window < 0 or sinks < 0:
         raise ValueError(f"expected window and sinks >= 0, got {window} and {sinks}")
+    if measured_queries < 0:
+        raise ValueError(f"expected measured_queries >= 0, got {measured_queries}")
     # Before any segment: a context shorter than one segment would need no clusters and pass.
     check_clusterable(geometry)
     n_keys = k.shape[0]

@@ -126,6 +126,7 @@ def retrieval_attention(
     query_block: int = 8192,
     tail: bool = False,
     budget: float = 0.02,
+    measured_queries: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse attention of queries `(nq, d)` over keys `(nk, d)` and values `(nk, dv)`.
 
@@ -153,6 +154,7 @@ def retrieval_attention(
     estimates the full log-partition. With `causal=True` a query at position p reads its own
     segment of keys up to p exactly and estimates the keys before it from clusters of exactly
     those keys (`causal_tail_attention`; a `KeyClusters` passed in is not used then).
+    `measured_queries` is tail attention's option (index/tail/measured.py), clusters only.
 
     Returns `(out, lse)` as `sparse_attention`; gradients reach q, k, v and the geometry.
     With no queries or no keys there is nothing to read: dense attention's answer (empty, or
@@ -167,7 +169,10 @@ def retrieval_attention(
         # Nothing to read: dense attention checks the inputs and answers without an index, on
         # the autograd graph (no queries: `(0, dv)` and `(0,)`; no keys: 0 and -inf per query).
         return dense_attention(q, k, v, geometry)
-    if index == "clusters" or isinstance(index, KeyClusters):
+    clustered = index == "clusters" or isinstance(index, KeyClusters)
+    if measured_queries and not clustered:
+        raise ValueError("measured_queries needs index='clusters' or a KeyClusters (tail)")
+    if clustered:
         out, lse = _cluster_attention(
             q,
             k,
@@ -180,6 +185,7 @@ def retrieval_attention(
             sinks=sinks,
             causal=causal,
             positions=positions,
+            measured_queries=measured_queries,
         )
         # The clusters compute in their own dtype; `out` comes back in the queries', as on
         # every other path (`sparse_attention`), `lse` in the computing one.
@@ -304,6 +310,7 @@ def _cluster_attention(
     sinks: int,
     causal: bool,
     positions: torch.Tensor | None,
+    measured_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`retrieval_attention` over a clustered context (`tail_attention`, or
     `causal_tail_attention`)."""
@@ -311,15 +318,18 @@ def _cluster_attention(
         if positions is None:
             positions = query_positions(q.shape[0], k.shape[0], q.device)
         return causal_tail_attention(
-            q, k, v, geometry, positions, budget=budget, tail=tail, window=window, sinks=sinks
-        )
+            q, k, v, geometry, positions, budget=budget, tail=tail, window=window, sinks=sinks,
+            measured_queries=measured_queries,
+        )  # fmt: skip
     if isinstance(clusters, str):
         with torch.no_grad():
             clusters = KeyClusters.build(geometry.witness(k), v, geometry)
     elif clusters.n_keys != k.shape[0]:
         raise ValueError(f"the clusters hold {clusters.n_keys} keys but {k.shape[0]} were given")
     always = window_and_sinks(k.shape[0], window, sinks, k.device)
-    return tail_attention(q, clusters, budget=budget, tail=tail, always=always)
+    return tail_attention(
+        q, clusters, budget=budget, tail=tail, always=always, measured_queries=measured_queries
+    )
 
 
 def window_and_sinks(n_keys: int, window: int, sinks: int, device: torch.device) -> torch.Tensor:

@@ -746,6 +746,7 @@ class Engine:
                 index="clusters",
                 tail=True,
                 budget=params.budget,
+                measured_queries=params.measured_queries,
                 window=params.window,
                 sinks=params.sinks,
                 causal=causal,

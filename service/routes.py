@@ -282,8 +282,6 @@ def _params(
     measured_queries = body.measured_queries or 0
     if measured_queries and mode != "tail":
         raise invalid("measured_queries", f"0 in {mode} mode (tail mode only)", measured_queries)
-    if measured_queries and getattr(body, "causal", False):
-        raise invalid("measured_queries", "0 with causal (tail mode, not causal)", measured_queries)
     return AttendParams(
         mode=mode,
         top_k=body.top_k if body.top_k is not None else min(index.top_k, n_tokens),

@@ -166,7 +166,7 @@ class AttendOptions(Strict):
     measured_queries: integer(ge=0) | None = Field(
         None,
         description="tail mode: queries per head answered exactly, fitting how far the others "
-        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail'); not causal",
+        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail')",
     )
     return_topk: integer(ge=1) | None = Field(
         None, description="also return each query's best ids and attention weights"
@@ -218,7 +218,7 @@ class SelfAttentionRequest(Strict):
     measured_queries: integer(ge=0) | None = Field(
         None,
         description="tail mode: queries per head answered exactly, fitting how far the others "
-        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail'); not causal",
+        "move toward the estimate (docs/indexes.md, 'Measured shrinkage of the tail')",
     )
     layer: Layer = None
 

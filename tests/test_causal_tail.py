@@ -172,7 +172,17 @@ def test_retrieval_attention_routes_causal_clusters_here():
     with torch.no_grad():
         got = retrieval_attention(q, k, v, g, index="clusters", causal=True, tail=True)
         expected = causal_tail_attention(q, k, v, g, torch.arange(2000))
+        # measured_queries goes through, causal (per segment) and not (over the clusters given).
+        measured = retrieval_attention(q, k, v, g, index="clusters", causal=True, tail=True,
+                                       measured_queries=8)  # fmt: skip
+        measured_here = causal_tail_attention(q, k, v, g, torch.arange(2000), measured_queries=8)
+        clusters = KeyClusters.build(g.witness(k), v, g)
+        shrunk = retrieval_attention(q, k, v, g, index=clusters, tail=True, measured_queries=8)
+        shrunk_here = tail_attention(q, clusters, budget=0.02, measured_queries=8)
     torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(measured, measured_here)
+    torch.testing.assert_close(shrunk, shrunk_here)
+    assert not torch.allclose(shrunk[0], tail_attention(q, clusters, budget=0.02)[0])
 
 
 def test_bad_inputs_are_refused():
@@ -186,6 +196,10 @@ def test_bad_inputs_are_refused():
         causal_tail_attention(q[:2], k, v, g, torch.tensor([0, 1]), segment=0)
     with pytest.raises(ValueError, match="window and sinks"):
         causal_tail_attention(q[:2], k, v, g, torch.tensor([0, 1]), window=-1)
+    with pytest.raises(ValueError, match="measured_queries"):
+        causal_tail_attention(q[:2], k, v, g, torch.tensor([0, 1]), measured_queries=-1)
+    with pytest.raises(ValueError, match="measured_queries needs"):
+        retrieval_attention(q[:2], k, v, g, index="flat", measured_queries=4)
     # A geometry without an exact lift, refused whatever the context's length (one shorter
     # than a segment needs no clusters, and was answered).
     with pytest.raises(ValueError, match="no exact lift"):

@@ -484,7 +484,7 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
 
 def test_a_measured_tail_answers_its_measured_queries_exactly(server, data):
     """`measured_queries` (index/tail/measured.py) over HTTP: attend and self-attention answer as
-    the library does, the measured rows exactly; other modes and causal refuse it."""
+    the library does, the measured rows exactly; topk and exact refuse it."""
     keys, values, _ = data
     geometry = make_geometry("dot", D)
     queries = torch.randn(H, 40, D, generator=torch.Generator().manual_seed(11))
@@ -520,11 +520,17 @@ def test_a_measured_tail_answers_its_measured_queries_exactly(server, data):
         rows = measured_rows(100, 4, queries.device)
         torch.testing.assert_close(found[:, rows], exact[:, rows], rtol=1e-5, atol=1e-5)
 
+        # Causal tail takes it per segment (one segment here, its own keys read exactly).
+        response = client.post(url, json={"start": 100, "end": 200, "causal": True,
+                                          "mode": "tail", "measured_queries": 4})  # fmt: skip
+        assert response.status_code == 200, response.text
+        exact = dense_attention(keys[:, :200], keys[:, :200], values[:, :200], geometry,
+                                causal=True)[0][:, 100:]  # fmt: skip
+        torch.testing.assert_close(decode(response.json()["out"]), exact, rtol=1e-5, atol=1e-5)
+
         for request, path in (
             ({"queries": encode(queries), "mode": "topk", "measured_queries": 4}, "attend"),
             ({"queries": encode(queries), "exact": True, "measured_queries": 1}, "attend"),
-            ({"start": 0, "end": 100, "causal": True, "mode": "tail", "measured_queries": 4},
-             "self-attention"),
         ):  # fmt: skip
             response = client.post(f"/v1/contexts/{context['id']}/{path}", json=request)
             assert response.status_code == 400, response.text
