@@ -263,8 +263,11 @@ def tail_section(records: list[dict]) -> str:
             "",
             *_measured_table(records),
         ]
-    others = [r for r in records if not (r["dataset"] in TEXT_SETS and r["geometry"] == "dot")]
-    others = [r for r in others if r["mode"] != "measured"]
+    others = [
+        r
+        for r in records
+        if not (r["dataset"] in TEXT_SETS and r["geometry"] == "dot") and r["mode"] != "measured"
+    ]
     if others:
         lines += [
             "",
@@ -339,6 +342,7 @@ def _measured_table(records: list[dict]) -> list[str]:
     ]
     text = [r for r in records if r["dataset"] in TEXT_SETS and r["geometry"] == "dot"]
     at = {(r["dataset"], r["layer"], r["head"], r["mode"], r.get("budget")): r for r in text}
+    budgets = sorted({r["budget"] for r in text if r["mode"] == "measured"})
     for dataset in TEXT_SETS:
         dense = {
             (r["layer"], r["head"]): r["seconds"]
@@ -347,8 +351,7 @@ def _measured_table(records: list[dict]) -> list[str]:
         }
         for layer in sorted({lay for lay, _ in dense}):
             heads = sorted(h for lay, h in dense if lay == layer)
-            budgets = {r["budget"] for r in text if r["mode"] == "measured"}
-            for budget in sorted(budgets):
+            for budget in budgets:
                 rows = [at[dataset, layer, h, "measured", budget] for h in heads]
                 no_worse = sum(
                     all(

@@ -683,8 +683,7 @@ class Engine:
             # Every head in one call (a decode step costs one head's operations).
             always = window_and_sinks(loaded.n_tokens, params.window, params.sinks, q.device)
             always = always[always < count]
-            # A measured call takes the batched stages, never the compiled step.
-            step = not params.measured_queries and compiled_step_applies(q, index, always, True)
+            step = compiled_step_applies(q, index, always, True, params.measured_queries)
             with intra_op_threads(0 if step else self.sparse_threads):
                 return tail_attention_heads(
                     q,

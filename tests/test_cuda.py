@@ -121,19 +121,28 @@ def test_gradients_on_cuda_are_as_accurate_as_on_the_cpu(name):
         assert (on_cuda - reference).abs().max() <= 2 * cpu_error + floor
 
 
-@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
-def test_tail_attention_on_cuda_equals_the_cpu(name):
-    """The same clusters (built on the CPU, loaded on the GPU): the same keys read, the same
-    estimate up to the value shift's bfloat16 product on CUDA (index/tail.py `shift_dtype`)."""
+def _clusters_on_both_devices(name: str):
+    """`((k, v), q, clusters, on_cuda)`: 3000 random keys of d = 16 clustered on the CPU (12
+    centres) and the same clusters loaded on the GPU, and 100 queries."""
     g_cpu = build_geometry(name, 16).float()
-    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
     generator = torch.Generator().manual_seed(3)
     k = torch.randn(3000, 16, generator=generator)
     v = torch.randn(3000, 8, generator=generator)
     q = torch.randn(100, 16, generator=generator)
     with torch.no_grad():
         clusters = KeyClusters.build(g_cpu.witness(k), v, g_cpu, n_clusters=12)
-        on_cuda = KeyClusters.from_bytes(clusters.to_bytes(), g_cuda, device=CUDA)
+    on_cuda = KeyClusters.from_bytes(
+        clusters.to_bytes(), copy.deepcopy(g_cpu).to(CUDA), device=CUDA
+    )
+    return (k, v), q, clusters, on_cuda
+
+
+@pytest.mark.parametrize("name", ["dot", "poincare", "product"])
+def test_tail_attention_on_cuda_equals_the_cpu(name):
+    """The same clusters (built on the CPU, loaded on the GPU): the same keys read, the same
+    estimate up to the value shift's bfloat16 product on CUDA (index/tail.py `shift_dtype`)."""
+    _, q, clusters, on_cuda = _clusters_on_both_devices(name)
+    with torch.no_grad():
         expected, expected_lse, cpu_read = tail_attention_with_reads(q, clusters, budget=0.2)
         out, lse, cuda_read = tail_attention_with_reads(q.to(CUDA), on_cuda, budget=0.2)
     assert torch.equal(cuda_read.cpu(), cpu_read)
@@ -146,16 +155,10 @@ def test_tail_attention_on_cuda_equals_the_cpu(name):
 def test_a_measured_tail_call_on_cuda_answers_its_measured_queries_exactly(name):
     """`measured_queries` on the GPU (index/tail/measured.py): the measured rows are dense
     attention (the fused kernel for the dot product), the rest near the CPU's answers."""
-    g_cpu = build_geometry(name, 16).float()
-    g_cuda = copy.deepcopy(g_cpu).to(CUDA)
-    generator = torch.Generator().manual_seed(5)
-    k = torch.randn(3000, 16, generator=generator)
-    v = torch.randn(3000, 8, generator=generator)
-    q = torch.randn(100, 16, generator=generator)
+    (k, v), q, clusters, on_cuda = _clusters_on_both_devices(name)
+    g_cuda = on_cuda.geometry
     options = {"budget": 0.05, "measured_queries": 8}
     with torch.no_grad():
-        clusters = KeyClusters.build(g_cpu.witness(k), v, g_cpu, n_clusters=12)
-        on_cuda = KeyClusters.from_bytes(clusters.to_bytes(), g_cuda, device=CUDA)
         expected, _, cpu_read = tail_attention_with_reads(q, clusters, **options)
         out, lse, cuda_read = tail_attention_with_reads(q.to(CUDA), on_cuda, **options)
         exact, exact_lse = dense_attention(q.to(CUDA), k.to(CUDA), v.to(CUDA), g_cuda)

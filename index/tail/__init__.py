@@ -70,8 +70,7 @@ class TailOptions(TypedDict, total=False):
     and sinks); `query_block` (None: `default_query_block`), queries per pass;
     `measured_queries` (0), how many of the call's queries per head are answered by exact
     attention over every key to fit how far each head's answers move toward the tail estimate
-    (`measured.py`; with `tail` only; a measured call takes the batched stages, never a decode
-    step's compiled or fixed-shape one). `tail_attention_heads_with_reads` holds the defaults."""
+    (`measured.py`; with `tail` only). `tail_attention_heads_with_reads` holds the defaults."""
 
     budget: float
     tail: bool
@@ -176,7 +175,7 @@ def tail_attention_heads_with_reads(
         empty = qw[..., :1].expand(-1, -1, heads.heads[0].values.shape[-1])
         reads = torch.zeros(n_heads, 0, dtype=torch.long, device=qw.device)
         return TailAttention(geometry.output_map(empty), qw[..., 0], reads)
-    if not measured and budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail):
+    if budget * n_keys > 0 and compiled_step_applies(qw, heads, always, tail, measured_queries):
         return TailAttention(*decode_step(qw, heads, budget * n_keys))
     if always is not None and always.numel() > 0:
         always = always.unique()
@@ -184,7 +183,7 @@ def tail_attention_heads_with_reads(
             raise ValueError(f"expected always ids in [0, {n_keys}), got {always.tolist()[:8]}")
     n_always = 0 if always is None else len(always)
     budget_keys = budget * n_keys - n_always
-    if not measured and fixed_shape_step_applies(qw, heads, tail, budget_keys, n_always):
+    if fixed_shape_step_applies(qw, heads, tail, budget_keys, n_always, measured_queries):
         return TailAttention(*fixed_shape_step(qw, heads, budget_keys, always))
     is_always = [None] * n_heads  # or per head a flag per sorted position: read outside clusters
     counts = heads.counts
@@ -217,6 +216,8 @@ def tail_attention_heads_with_reads(
             scores = geometry.score(block, always_keys)
             parts.append(tuple(t.flatten(0, 1) for t in softmax_attend(scores, always_values)))
         if measured:
+            # The keys read alone, for the fit; the answer below merges the same parts in the
+            # same order as without a measurement, so its lse is tail's to the bit.
             read_outs.append(merge_attention(*parts)[0].view(n_heads, n_queries, -1))
         if tail:
             log_mass = calibrated(rows, ordinary_query, ordinary_cluster, visited[1].detach())

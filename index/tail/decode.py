@@ -49,17 +49,23 @@ _head_sums_compiled = _head_shift_compiled = _estimate_rows_compiled = None
 
 
 def compiled_step_applies(
-    q: torch.Tensor, heads: ClusterHeads, always: torch.Tensor | None, tail: bool
+    q: torch.Tensor,
+    heads: ClusterHeads,
+    always: torch.Tensor | None,
+    tail: bool,
+    measured_queries: int = 0,
 ) -> bool:
     """Whether `decode_step` answers for queries `(H, nq, d)`: the dot product on the CPU in
     float32 or float64, at most `COMPILED_STEP_ROWS` queries per head (a decode step's),
-    without autograd, `always` keys or `tail=False`."""
+    without autograd, `always` keys, `tail=False` or `measured_queries` (index/tail/
+    measured.py: the batched stages)."""
     return (
         type(heads.geometry) is DotProduct
         and q.device.type == "cpu"
         and heads.counts.dtype in (torch.float32, torch.float64)
         and q.shape[1] <= COMPILED_STEP_ROWS
         and tail
+        and not measured_queries
         and (always is None or always.numel() == 0)
         and not _needs_grad(q, heads.geometry)
     )

@@ -82,18 +82,25 @@ class _Stacked(NamedTuple):
 
 
 def fixed_shape_step_applies(
-    qw: torch.Tensor, heads: ClusterHeads, tail: bool, budget_keys: float, n_always: int = 0
+    qw: torch.Tensor,
+    heads: ClusterHeads,
+    tail: bool,
+    budget_keys: float,
+    n_always: int = 0,
+    measured_queries: int = 0,
 ) -> bool:
     """Whether `fixed_shape_step` answers for query witnesses `(H, nq, d)`: the dot product on
     a CUDA GPU in float32 or float64, at most `FIXED_STEP_ROWS` queries per head, a budget of
     more than 0 keys besides the `n_always` keys every query reads, a gathered exact part within
-    `MAX_GATHERED_ELEMENTS`, without autograd or `tail=False`."""
+    `MAX_GATHERED_ELEMENTS`, without autograd, `tail=False` or `measured_queries` (index/tail/
+    measured.py: the batched stages)."""
     if not (
         type(heads.geometry) is DotProduct
         and qw.device.type == "cuda"
         and heads.counts.dtype in (torch.float32, torch.float64)
         and qw.shape[1] <= FIXED_STEP_ROWS
         and tail
+        and not measured_queries
         and budget_keys > 0
         and not _needs_grad(qw, heads.geometry)
     ):

@@ -24,11 +24,12 @@ from ..clusters import ClusterHeads
 
 def measured_rows(n_queries: int, measured_queries: int, device: torch.device) -> torch.Tensor:
     """The rows of the queries answered exactly, `(min(m, nq),)`: evenly spaced, first and last
-    included, so the same call measures the same queries."""
+    included (at least one row apart, so distinct), so the same call measures the same
+    queries."""
     count = min(measured_queries, n_queries)
     if count == 0:
         return torch.zeros(0, dtype=torch.long, device=device)
-    return torch.linspace(0, n_queries - 1, count, device=device).round().long().unique()
+    return torch.linspace(0, n_queries - 1, count, device=device).round().long()
 
 
 def exact_answers(
