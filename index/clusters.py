@@ -84,6 +84,9 @@ DEFAULT_KEYS_PER_CLUSTER = 512
 DEFAULT_OUTLIERS = 0.001
 DEFAULT_MAX_CLUSTER_KEYS = 256
 MIN_CLUSTER_KEYS = 32
+# `probed_pieces` measures contexts of at least this many trained keys (below, 2 % of the keys is
+# not much more than one piece).
+MIN_PROBED_KEYS = 16384
 SUMMARY_RATIO = 8  # a cluster's keys and values take at least 8x its cross-covariance
 STATISTICS_BATCH_ELEMENTS = 1 << 22  # elements of one batch of clusters' statistics
 
@@ -131,6 +134,22 @@ def check_clusterable(geometry: Geometry) -> None:
             f"{type(geometry).__name__} does not have (no exact lift); use an IVF, HNSW, "
             f"flat or LSH index (topk) or dense attention"
         )
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """What `KeyClusters.build` learns before cutting pieces: the k-means `centroids` of the
+    trained keys, every key's group `labels` `(n,)` (`n_centres` for the outlier group), the
+    `outlier_distance`, the number of groups (centres, and the outliers' if any) and the
+    covariance `rank` the pieces' statistics keep."""
+
+    geometry: Geometry
+    centroids: torch.Tensor
+    outlier_distance: torch.Tensor
+    labels: torch.Tensor
+    n_centres: int
+    n_groups: int
+    rank: int
 
 
 @dataclass
@@ -202,6 +221,7 @@ class KeyClusters:
         outliers: float = DEFAULT_OUTLIERS,
         iterations: int = 10,
         seed: int = 0,
+        probed_pieces: bool = False,
     ) -> KeyClusters:
         """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
         statistics. `n_clusters` (k-means centres) defaults to ceil(n_t / 512) for the n_t
@@ -210,7 +230,12 @@ class KeyClusters:
         `default_cluster_keys(n_t)` when `n_clusters` is not given, never cut when it is.
         `rank` is the covariance basis size (capped at the feature dimension, which keeps the
         full covariance); the fraction `outliers` of the keys, those farthest from their
-        cluster's centre, form one more cluster, which every query reads (module docstring)."""
+        cluster's centre, form one more cluster, which every query reads (module docstring).
+
+        `probed_pieces` (an option, off by default): where the default piece size applies, the
+        trained keys' pieces are measured with some of those keys as queries, and halved where
+        the tail estimate misses and halving mends it (`tail/probe.py`; docs/indexes.md,
+        "Pieces sized by probes")."""
         if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
             raise ValueError(
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "
@@ -240,6 +265,7 @@ class KeyClusters:
         keys_w, values = keys_w.to(dtype), values.to(dtype)
         lifts = geometry.lift(keys_w, "key")
         features = key_features(lifts)
+        probing = probed_pieces and max_cluster_keys is None and not given_clusters
         if max_cluster_keys is None:
             max_cluster_keys = (
                 0
@@ -257,19 +283,53 @@ class KeyClusters:
             outlier_distance = distance[:prefix].topk(n_outliers).values[-1]
             labels = labels.masked_fill(distance >= outlier_distance, n_clusters)
             n_groups += 1
+        groups = _Groups(geometry, centroids, outlier_distance, labels, n_clusters, n_groups, rank)
+
+        def cut(n_keys: int, max_keys: int) -> KeyClusters:
+            return cls._cut(keys_w[:n_keys], values[:n_keys], features[:n_keys], groups, max_keys)
+
+        if probing and prefix >= MIN_PROBED_KEYS and max_cluster_keys // 2 >= MIN_CLUSTER_KEYS:
+            # Imported here: the tail package is built on this module.
+            from .tail.probe import finer_pieces
+
+            trained = finer_pieces(lambda max_keys: cut(prefix, max_keys), max_cluster_keys)
+            if n == prefix:
+                return trained
+            max_cluster_keys = int(trained.max_keys)
+        return cut(n, max_cluster_keys)
+
+    @classmethod
+    def _cut(
+        cls,
+        keys_w: torch.Tensor,
+        values: torch.Tensor,
+        features: torch.Tensor,
+        groups: _Groups,
+        max_keys: int,
+    ) -> KeyClusters:
+        """The representation of the keys `keys_w` `(n, d_w)` with `values` and `features`, the
+        first `trained_prefix(n)` of them trained (their `groups`): each group cut into pieces
+        of at most `max_keys` keys (0: never cut), then every piece's statistics."""
+        prefix = trained_prefix(keys_w.shape[0])
+        labels, n_groups = groups.labels[: keys_w.shape[0]], groups.n_groups
         trees, trained_piece = _PieceTrees.grown(
-            features[:prefix], labels[:prefix], n_groups, max_cluster_keys, n_groups > n_clusters
+            features[:prefix], labels[:prefix], n_groups, max_keys, n_groups > groups.n_centres
         )
         piece = torch.cat([trained_piece, trees.pieces_of(features[prefix:], labels[prefix:])])
         trees, piece, _ = _cut_overfull(
-            trees, piece, features.__getitem__, max_cluster_keys, n_clusters
+            trees, piece, features.__getitem__, max_keys, groups.n_centres
         )
         order = piece.argsort(stable=True)  # by piece, ids ascending within each
         counts = torch.bincount(piece, minlength=trees.n_pieces)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         sorted_keys, sorted_values = keys_w[order], values[order]
+        geometry = groups.geometry
         stats = _cluster_statistics(
-            features[order], sorted_values, offsets, geometry.lift(sorted_keys[:1], "key"), rank
+            features[order],
+            sorted_values,
+            offsets,
+            geometry.lift(sorted_keys[:1], "key"),
+            groups.rank,
         )
         return cls(
             geometry=geometry,
@@ -277,10 +337,10 @@ class KeyClusters:
             offsets=offsets,
             keys_w=sorted_keys,
             values=sorted_values,
-            counts=counts.to(dtype),
-            centroids=centroids,
-            outlier_distance=outlier_distance,
-            max_keys=torch.tensor(max_cluster_keys),
+            counts=counts.to(keys_w.dtype),
+            centroids=groups.centroids,
+            outlier_distance=groups.outlier_distance,
+            max_keys=torch.tensor(max_keys),
             **trees.to(keys_w.device).fields(),
             **stats,
         )

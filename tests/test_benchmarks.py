@@ -106,9 +106,12 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     measured = {"keys_read_frac", "err_median", "err_p99", "lse_abs_err_median"}
     common = {"dataset", "layer", "geometry", "mode", "head", "seconds"}
     for record in records:
-        expected = common if record["mode"] == "build" else common | measured | {"budget"}
+        builds = ("build", "probed_build")
+        expected = set(common) if record["mode"] in builds else common | measured | {"budget"}
         if record["mode"] == "dense":
             expected |= {"support"}
+        if record["mode"] in ("build", "probed_build", "probed"):
+            expected |= {"max_keys"}
         assert set(record) == expected
         assert record["layer"] is None  # not a text data set
     modes = {(r["dataset"], r["geometry"], r["mode"]) for r in records}
@@ -116,8 +119,18 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
         (d, g, m)
         for d in ("clustered", "tree")
         for g in ("dot", "sphere", "poincare")
-        for m in ("dense", "build", "topk", "tail", "measured")
+        for m in ("dense", "build", "probed_build", "topk", "tail", "measured", "probed")
     }
+    # The option `probed_pieces` measures contexts of 16,384 keys and more: here its clusters
+    # are the default ones, and its records repeat tail's.
+    tail_at = {
+        (r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"
+    }
+    for r in (r for r in records if r["mode"] == "probed"):
+        same = tail_at[r["dataset"], r["geometry"], r["budget"]]
+        assert {k: v for k, v in r.items() if k not in ("mode", "max_keys")} == {
+            k: v for k, v in same.items() if k != "mode"
+        }
     # The option `measured_queries` at 1 and 2 %: its 32 exact queries read every key.
     tail = {(r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"}
     measured = [r for r in records if r["mode"] == "measured"]
@@ -146,7 +159,9 @@ def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
         ("text-numpy", "dot", 5)
     }
     assert {r["head"] for r in records} == set(range(12))
-    assert {r["mode"] for r in records} == {"dense", "build", "topk", "tail", "measured"}
+    assert {r["mode"] for r in records} == {
+        "dense", "build", "probed_build", "topk", "tail", "measured", "probed"
+    }  # fmt: skip
     assert (tmp_path / "tail.png").stat().st_size > 10_000
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "tail_attention_heads",
     "tail_attention_heads_with_reads",
     "tail_attention_with_reads",
+    "witness_tail_attention",
 ]
 
 
@@ -156,6 +157,35 @@ def tail_attention_heads_with_reads(
         raise ValueError(
             f"expected queries ({heads.n_heads}, nq, {geometry.dim}), got {tuple(q.shape)}"
         )
+    if q.device.type == "cpu":
+        # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
+        retain_freed_memory()
+    qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
+    return witness_tail_attention(
+        qw,
+        heads,
+        budget=budget,
+        tail=tail,
+        always=always,
+        query_block=query_block,
+        measured_queries=measured_queries,
+    )
+
+
+def witness_tail_attention(
+    qw: torch.Tensor,
+    heads: ClusterHeads,
+    *,
+    budget: float = 0.02,
+    tail: bool = True,
+    always: torch.Tensor | None = None,
+    query_block: int | None = None,
+    measured_queries: int = 0,
+) -> TailAttention:
+    """`tail_attention_heads_with_reads` of query witnesses `(H, nq, d_w)` (the geometry's
+    `witness` of the queries, in the clusters' dtype), for callers that hold witnesses: the
+    clusters' own keys as queries (`probe.py`)."""
+    geometry = heads.geometry
     if not 0 <= budget <= 1:
         raise ValueError(f"expected a budget between 0 and 1 (a fraction of keys), got {budget}")
     if query_block is None:
@@ -165,10 +195,6 @@ def tail_attention_heads_with_reads(
     if measured_queries < 0:
         raise ValueError(f"expected measured_queries >= 0, got {measured_queries}")
     measured = tail and measured_queries > 0
-    if q.device.type == "cpu":
-        # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
-        retain_freed_memory()
-    qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
     n_heads, n_keys = heads.n_heads, heads.heads[0].n_keys
     if qw.shape[1] == 0:
         # No query reads a key: `(H, 0, dv)` and `(H, 0)`, still on the queries' autograd graph.

@@ -1,0 +1,68 @@
+"""Pieces sized by probes: a head's pieces halved where its own keys, asked as queries, show the
+tail estimate missing and halving mending it (`KeyClusters.build(probed_pieces=True)`;
+docs/indexes.md, "Pieces sized by probes").
+
+The default piece size (`clusters.default_cluster_keys`) depends on the number of keys and the
+dimensions alone. On sharp heads the estimate of the pieces a query leaves unread misses by
+their values (a piece's keys are too spread for a first-order value shift under a steep tilt),
+and pieces of half the size mend most of it at about 1.8 times the cost of a call
+(docs/benchmark-notes.md, "Pieces sized by probes (issue 25)"). Queries are not known when a
+context is indexed, so `finer_pieces` asks its keys instead: `PROBE_QUERIES` of the trained
+keys, evenly spaced by id, are queries of tail attention at `PROBE_BUDGET`, measured against
+exact attention over every key. Where the 95th percentile of their error exceeds
+`PROBE_TOLERANCE`, the pieces are halved and measured again, and the halved ones are kept
+where their error is at most `PROBE_GAIN` of the first. The 95th percentile, not the 99th:
+of 512 probes the 99th is the fifth worst, and it moved by a third between two sets of probes
+of the same head. On MiniLM's 144 heads (`benchmarks/tail.py`'s two corpora) the probes' 95th
+percentile was 0.083-0.197 on six of the seven heads whose real queries' 99th percentile is
+above 0.13 at 2 %, and at most 0.070 on every other head. The seventh (`text-numpy` layer 3
+head 1, queries at 0.179) shows under 0.05 in its keys: what its queries miss, keys as queries
+do not see."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from rewa.attention import witness_attention
+
+from ..clusters import ClusterHeads, KeyClusters
+from ..measures import output_error
+from . import witness_tail_attention
+
+PROBE_QUERIES = 512  # keys asked as queries
+PROBE_BUDGET = 0.02  # tail attention's default budget
+PROBE_TOLERANCE = 0.075  # the probes' 95th percentile error above which halved pieces are tried
+PROBE_GAIN = 0.8  # halved pieces are kept where their error is at most this share of the first
+
+
+def probe_error(clusters: KeyClusters) -> float:
+    """The 95th percentile of the output error of tail attention (at `PROBE_BUDGET`) against
+    exact attention, with `PROBE_QUERIES` of the clusters' keys as queries: evenly spaced by
+    id, the first and last included."""
+    n_keys = clusters.n_keys
+    device = clusters.order.device
+    ids = torch.linspace(0, n_keys - 1, min(PROBE_QUERIES, n_keys), device=device).round().long()
+    position = torch.empty_like(clusters.order)
+    position[clusters.order] = torch.arange(n_keys, device=device)
+    probes = clusters.keys_w[position[ids]]
+    geometry = clusters.geometry
+    with torch.no_grad():
+        heads = ClusterHeads.stacked([clusters])
+        estimated = witness_tail_attention(probes.unsqueeze(0), heads, budget=PROBE_BUDGET)
+        exact, _ = witness_attention(probes, clusters.keys_w, clusters.values, geometry)
+        error = output_error(estimated.out[0], geometry.output_map(exact))
+    return error.double().quantile(0.95).item()
+
+
+def finer_pieces(cut: Callable[[int], KeyClusters], max_keys: int) -> KeyClusters:
+    """`cut(max_keys)`, the keys cut into pieces of at most `max_keys` keys, or `cut(max_keys //
+    2)` where the first misses `PROBE_TOLERANCE` and the second is at most `PROBE_GAIN` of its
+    error (`probe_error`)."""
+    pieces = cut(max_keys)
+    error = probe_error(pieces)
+    if error <= PROBE_TOLERANCE:
+        return pieces
+    halved = cut(max_keys // 2)
+    return halved if probe_error(halved) <= PROBE_GAIN * error else pieces

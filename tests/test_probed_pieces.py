@@ -1,0 +1,115 @@
+"""Pieces sized by probes (`KeyClusters.build(probed_pieces=True)`, index/tail/probe.py): a head's
+pieces are halved where its own keys, asked as queries, show the tail estimate missing and
+halving mending it; elsewhere the build is the default one."""
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import KeyClusters, tail_attention, tail_attention_with_reads
+from rewa.index.clusters import MIN_PROBED_KEYS
+from rewa.index.measures import output_error
+from rewa.index.tail import probe as probe_module
+from rewa.index.tail.probe import PROBE_QUERIES, probe_error
+
+D = 16
+
+
+def _head(n: int, scale: float, seed: int = 0):
+    """Keys around `n / 512` centres, `scale` times as long (larger: sharper attention when keys
+    are asked as queries), and values linear in the keys."""
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(max(1, n // 512), D, generator=generator, dtype=torch.float64)
+    labels = torch.randint(len(centres), (n,), generator=generator)
+    k = (centres[labels] + torch.randn(n, D, generator=generator, dtype=torch.float64)) * scale
+    mixing = torch.randn(D, D, generator=generator, dtype=torch.float64)
+    return k, k @ mixing
+
+
+def _assert_same(mine: KeyClusters, theirs: KeyClusters) -> None:
+    for field in fields(KeyClusters):
+        if field.name != "geometry":
+            a, b = getattr(mine, field.name), getattr(theirs, field.name)
+            assert a.shape == b.shape and torch.equal(a, b), field.name
+
+
+@pytest.fixture
+def dot():
+    return make_geometry("dot", D).double()
+
+
+def test_a_sharp_head_gets_pieces_of_half_the_size_and_a_smaller_probe_error(dot):
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    default = KeyClusters.build(k, v, dot)
+    probed = KeyClusters.build(k, v, dot, probed_pieces=True)
+    assert int(probed.max_keys) == int(default.max_keys) // 2
+    assert probe_error(default) > probe_module.PROBE_TOLERANCE
+    assert probe_error(probed) <= probe_module.PROBE_GAIN * probe_error(default)
+    # The halved pieces are those a build asked for that size gives.
+    _assert_same(probed, KeyClusters.build(k, v, dot, max_cluster_keys=int(probed.max_keys)))
+    # Real queries aimed at keys gain as the probes did.
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randint(len(k), (256,), generator=generator)
+    q = k[rows] + 0.1 * torch.randn(256, D, generator=generator, dtype=torch.float64)
+    reference = dense_attention(q, k, v, dot)[0]
+    errors = [
+        output_error(tail_attention(q, clusters)[0], reference).quantile(0.95)
+        for clusters in (default, probed)
+    ]
+    assert errors[1] < 0.8 * errors[0]
+
+
+def test_a_diffuse_head_keeps_the_default_pieces(dot):
+    k, v = _head(MIN_PROBED_KEYS, scale=0.3)
+    probed = KeyClusters.build(k, v, dot, probed_pieces=True)
+    assert probe_error(probed) <= probe_module.PROBE_TOLERANCE
+    _assert_same(probed, KeyClusters.build(k, v, dot))
+
+
+def test_halved_pieces_that_do_not_mend_the_error_are_not_kept(dot, monkeypatch):
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    monkeypatch.setattr(probe_module, "PROBE_GAIN", 0.0)
+    _assert_same(KeyClusters.build(k, v, dot, probed_pieces=True), KeyClusters.build(k, v, dot))
+
+
+def test_small_contexts_and_explicit_sizes_are_not_probed(dot, monkeypatch):
+    calls = []
+    monkeypatch.setattr(probe_module, "probe_error", lambda clusters: calls.append(1) or 1.0)
+    k, v = _head(MIN_PROBED_KEYS - 1, scale=2.0)
+    _assert_same(KeyClusters.build(k, v, dot, probed_pieces=True), KeyClusters.build(k, v, dot))
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    for options in ({"max_cluster_keys": 128}, {"n_clusters": 40}):
+        _assert_same(
+            KeyClusters.build(k, v, dot, probed_pieces=True, **options),
+            KeyClusters.build(k, v, dot, **options),
+        )
+    assert calls == []
+
+
+def test_the_decision_reads_the_trained_keys_only_so_extend_equals_a_build(dot):
+    # 1000 keys past the trained prefix: the probes and their pieces come from the prefix, and
+    # the keys appended later join the halved pieces, as a build over all of them places them.
+    k, v = _head(MIN_PROBED_KEYS + 1000, scale=2.0)
+    whole = KeyClusters.build(k, v, dot, probed_pieces=True)
+    trained = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], dot, probed_pieces=True)
+    assert int(whole.max_keys) == int(trained.max_keys) < int(KeyClusters.build(k, v, dot).max_keys)
+    grown = trained
+    for start in range(MIN_PROBED_KEYS, len(k), 400):
+        grown = grown.extend(k[start : start + 400], v[start : start + 400], probed_pieces=True)
+    assert int(grown.max_keys) == int(whole.max_keys) and torch.equal(grown.order, whole.order)
+    torch.testing.assert_close(grown.value_cross, whole.value_cross, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("geometry", ["dot", "poincare"])
+def test_the_probe_error_is_tail_attention_of_the_keys_as_queries(geometry):
+    # The probes are key witnesses; a geometry whose witness map is not idempotent (Poincare)
+    # must not map them twice.
+    g = make_geometry(geometry, D).double()
+    k, v = _head(4096, scale=0.1)
+    clusters = KeyClusters.build(g.witness(k), v, g)
+    rows = torch.linspace(0, len(k) - 1, PROBE_QUERIES).round().long()
+    result = tail_attention_with_reads(k[rows], clusters, budget=probe_module.PROBE_BUDGET)
+    error = output_error(result.out, dense_attention(k[rows], k, v, g)[0])
+    assert probe_error(clusters) == pytest.approx(error.quantile(0.95).item(), rel=1e-6)
