@@ -268,11 +268,11 @@ def tail_section(records: list[dict]) -> str:
             "",
             "With the option `probed_pieces=True` (`probed`, not a default): a head's pieces "
             "halved where 512 of its",
-            "own keys, asked as queries, show the estimate missing and halving mending it "
-            '(docs/indexes.md, "Pieces sized',
-            'by probes"). The heads whose pieces it halved, tail on the default pieces -> on the '
-            "halved ones; every",
-            "other head keeps the default pieces and the `tail` answers above.",
+            "own keys, asked as queries, show the estimate missing and halving mending it",
+            '(docs/indexes.md, "Pieces sized by probes"). The heads whose pieces it halved, tail '
+            "on the default pieces ->",
+            "on the halved ones; every other head keeps the default pieces and the `tail` "
+            "answers above.",
             "",
             *_probed_table(records),
         ]
