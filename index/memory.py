@@ -65,7 +65,9 @@ class LocalMemory:
     (dense attention). `open_segment`: the size of the segments the index takes whole; the
     tokens of the last, open one are read exactly (module docstring). `exact_while_building`:
     the most query-key pairs an attend reads exactly instead of waiting for a tail extension
-    under way (module docstring). The memory holds float32 tensors on `device`."""
+    under way (module docstring). `probed_pieces`: tail mode's clusters built with that option
+    (`KeyClusters.build`; docs/indexes.md, "Pieces sized by probes"). The memory holds float32
+    tensors on `device`."""
 
     def __init__(
         self,
@@ -80,6 +82,7 @@ class LocalMemory:
         index: str = "ivf",
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
+        probed_pieces: bool = False,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:
@@ -113,6 +116,7 @@ class LocalMemory:
         self.geometry = geometry.to(self.device)
         self.mode, self.budget, self.top_k, self.index_kind = mode, budget, top_k, index
         self.open_segment, self.exact_while_building = open_segment, exact_while_building
+        self.probed_pieces = probed_pieces
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
             heads, INITIAL_CAPACITY, self.value_dim, device=self.device
@@ -234,12 +238,14 @@ class LocalMemory:
             self._take_extension()
         if sealed == 0 or (self._indexes is not None and sealed == self._indexed):
             return self._indexes or []
-        witness = self.geometry.witness
+        witness, probed = self.geometry.witness, self.probed_pieces
         keys, values = self._key_buffer[:, :sealed], self._value_buffer[:, :sealed]
         if self._indexes is None:
             if self.mode == "tail":
                 self._indexes = [
-                    KeyClusters.build(witness(keys[h]), values[h], self.geometry)
+                    KeyClusters.build(
+                        witness(keys[h]), values[h], self.geometry, probed_pieces=probed
+                    )
                     for h in range(self.heads)
                 ]
                 self._cluster_heads = ClusterHeads.stacked(self._indexes)
@@ -254,7 +260,7 @@ class LocalMemory:
                 # build thread reads them in place while the memory takes more tokens.
                 self._extension = _builder().submit(
                     _extended, self._indexes, witness(keys[:, self._indexed :]),
-                    values[:, self._indexed :],
+                    values[:, self._indexed :], probed,
                 )  # fmt: skip
                 self._extending_to = sealed
             if rows * (self._n_tokens - self._indexed) > self.exact_while_building:
@@ -281,10 +287,14 @@ class LocalMemory:
 
 
 def _extended(
-    clusters: list[KeyClusters], keys_w: torch.Tensor, values: torch.Tensor
+    clusters: list[KeyClusters], keys_w: torch.Tensor, values: torch.Tensor, probed_pieces: bool
 ) -> tuple[list[KeyClusters], ClusterHeads]:
     """On the build thread: every head's clusters extended by its new key witnesses `(heads,
-    m, d_w)` and values (new objects: the old ones keep answering), and the heads stacked."""
+    m, d_w)` and values (new objects: the old ones keep answering), and the heads stacked;
+    `probed_pieces` is the build's option, for a retraining."""
     with torch.no_grad():
-        extended = [head.extend(keys_w[h], values[h]) for h, head in enumerate(clusters)]
+        extended = [
+            head.extend(keys_w[h], values[h], probed_pieces=probed_pieces)
+            for h, head in enumerate(clusters)
+        ]
         return extended, ClusterHeads.stacked(extended)

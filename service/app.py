@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         sparse_threads=settings.sparse_threads,
         open_segment=settings.open_segment,
         exact_while_building=settings.exact_while_building,
+        probed_pieces=settings.probed_pieces,
         metrics=metrics,
     )
     batcher = Batcher(

@@ -221,6 +221,7 @@ class Engine:
         sparse_threads: int = 0,
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
+        probed_pieces: bool = False,
         metrics=None,
     ) -> None:
         sealed_keys(0, open_segment)  # a negative segment: ValueError
@@ -231,6 +232,7 @@ class Engine:
         self.store = store
         self.open_segment = open_segment
         self.exact_while_building = exact_while_building
+        self.probed_pieces = probed_pieces
         self.device = device
         self.cache_bytes = cache_bytes
         self.store_indexes = store_indexes
@@ -508,7 +510,11 @@ class Engine:
         new = slice(base.sealed, loaded.sealed)
         if mode == "tail":
             return [
-                clusters.extend(witness(loaded.keys[head, new]), loaded.values[head, new])
+                clusters.extend(
+                    witness(loaded.keys[head, new]),
+                    loaded.values[head, new],
+                    probed_pieces=self.probed_pieces,
+                )
                 for head, clusters in enumerate(base.clusters)
             ]
         spec = loaded.record["index"]
@@ -530,8 +536,11 @@ class Engine:
         namespace, context_id, version = loaded.key
         built = []
         sealed = loaded.sealed
+        # Clusters built with `probed_pieces` are stored apart: a replica without the option
+        # would otherwise load them, and answer differently from its own build.
+        probed = "-probed" if self.probed_pieces else ""
         for head in range(loaded.keys.shape[0] if sealed else 0):
-            name = f"clusters{KeyClusters.FORMAT}-v{version}-n{sealed}-h{head}.npz"
+            name = f"clusters{KeyClusters.FORMAT}{probed}-v{version}-n{sealed}-h{head}.npz"
             blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
             if blob is not None:
                 built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
@@ -540,6 +549,7 @@ class Engine:
                 loaded.geometry.witness(loaded.keys[head, :sealed]),
                 loaded.values[head, :sealed],
                 loaded.geometry,
+                probed_pieces=self.probed_pieces,
             )
             if self.store_indexes:
                 self.store.put_blob(namespace, context_id, name, clusters.to_bytes())

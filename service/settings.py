@@ -50,6 +50,11 @@ class Settings(BaseSettings):
         description="query-key pairs an attend reads exactly rather than wait for its index's "
         "build; 0: always wait",
     )
+    probed_pieces: bool = Field(
+        False,
+        description="tail indexes: a head's pieces halved where its own keys, asked as queries, "
+        "show the estimate missing and halving mending it",
+    )
     sparse_threads: int = Field(
         1,
         ge=0,

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from rewa.attention import dense_attention, make_geometry
-from rewa.index import KeyClusters, tail_attention, tail_attention_with_reads
+from rewa.index import KeyClusters, LocalMemory, tail_attention, tail_attention_with_reads
 from rewa.index.clusters import MIN_PROBED_KEYS
 from rewa.index.measures import output_error
 from rewa.index.tail import probe as probe_module
 from rewa.index.tail.probe import PROBE_QUERIES, probe_error
+from rewa.service.embedded_store import EmbeddedStore
+from rewa.service.engine import Engine
+from rewa.service.settings import Settings
 
 D = 16
 
@@ -113,3 +116,54 @@ def test_the_probe_error_is_tail_attention_of_the_keys_as_queries(geometry):
     result = tail_attention_with_reads(k[rows], clusters, budget=probe_module.PROBE_BUDGET)
     error = output_error(result.out, dense_attention(k[rows], k, v, g)[0])
     assert probe_error(clusters) == pytest.approx(error.quantile(0.95).item(), rel=1e-6)
+
+
+def test_a_local_memory_builds_and_extends_its_clusters_with_the_option():
+    k, v = (t.float() for t in _head(MIN_PROBED_KEYS + 600, scale=2.0))
+    g = make_geometry("dot", D)
+    memory = LocalMemory(1, D, probed_pieces=True, open_segment=0, exact_while_building=0)
+    memory.append(k[None, :MIN_PROBED_KEYS], v[None, :MIN_PROBED_KEYS])
+    memory.attend(k[None, :4])  # builds
+    built = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], g, probed_pieces=True)
+    assert int(built.max_keys) < int(KeyClusters.build(k, v, g).max_keys)
+    _assert_same(memory._indexes[0], built)
+    memory.append(k[None, MIN_PROBED_KEYS:], v[None, MIN_PROBED_KEYS:])
+    memory.attend(k[None, :4])  # extends (and waits for it)
+    whole = KeyClusters.build(k, v, g, probed_pieces=True)
+    assert int(memory._indexes[0].max_keys) == int(whole.max_keys)
+    assert torch.equal(memory._indexes[0].order, whole.order)
+    default = LocalMemory(1, D, open_segment=0)
+    default.append(k[None], v[None])
+    default.attend(k[None, :4])
+    _assert_same(default._indexes[0], KeyClusters.build(k, v, g))
+
+
+def test_the_service_engine_builds_with_the_option_and_stores_those_clusters_apart(tmp_path):
+    k, v = (t.float() for t in _head(MIN_PROBED_KEYS, scale=2.0))
+    store = EmbeddedStore(tmp_path)
+    index = {"kind": "flat", "top_k": 16, "window": 0, "sinks": 0, "budget": 0.02, "options": {}}
+    info = {"id": "a", "name": "a", "geometry": {"name": "dot"}, "heads": 1, "head_dim": D,
+            "value_dim": D, "dtype": "float32", "index": index}  # fmt: skip
+    store.create("ns", info)
+    upload = store.begin_upload("ns", "a")
+    store.add_chunk("ns", "a", upload, k.numpy().tobytes() + v.numpy().tobytes(), len(k))
+    record = store.commit("ns", "a", upload, 10**6)
+    g = make_geometry("dot", D)
+    name = f"clusters{KeyClusters.FORMAT}{{}}-v1-n{len(k)}-h0.npz"
+    for probed, expected in ((True, "-probed"), (False, "")):
+        engine = Engine(store, device=torch.device("cpu"), cache_bytes=1 << 30,
+                        store_indexes=True, open_segment=0, probed_pieces=probed)  # fmt: skip
+        loaded = engine.context("ns", record)
+        engine.build_indexes(loaded, ["tail"])
+        _assert_same(loaded.clusters[0], KeyClusters.build(k, v, g, probed_pieces=probed))
+        assert store.get_blob("ns", "a", name.format(expected)) is not None
+    # The replica without the option built its own clusters: the two differ.
+    assert int(loaded.clusters[0].max_keys) > int(
+        KeyClusters.build(k, v, g, probed_pieces=True).max_keys
+    )
+
+
+def test_the_service_reads_the_option_from_the_environment(monkeypatch):
+    assert Settings().probed_pieces is False
+    monkeypatch.setenv("REWA_PROBED_PIECES", "true")
+    assert Settings().probed_pieces is True
