@@ -188,6 +188,12 @@ class KeyClusters:
         the outlier group."""
         return self.group == self.centroids.shape[0]
 
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """The sorted positions (rows of `keys_w` and `values`) of the key ids `ids`."""
+        position = torch.empty_like(self.order)
+        position[self.order] = torch.arange(self.n_keys, device=position.device)
+        return position[ids]
+
     @property
     def n_keys(self) -> int:
         return self.order.shape[0]

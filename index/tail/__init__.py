@@ -71,7 +71,7 @@ class TailOptions(TypedDict, total=False):
     and sinks); `query_block` (None: `default_query_block`), queries per pass;
     `measured_queries` (0), how many of the call's queries per head are answered by exact
     attention over every key to fit how far each head's answers move toward the tail estimate
-    (`measured.py`; with `tail` only). `tail_attention_heads_with_reads` holds the defaults."""
+    (`measured.py`; with `tail` only). `witness_tail_attention` holds the defaults."""
 
     budget: float
     tail: bool
@@ -141,14 +141,7 @@ def tail_attention_heads(
 
 
 def tail_attention_heads_with_reads(
-    q: torch.Tensor,
-    heads: ClusterHeads,
-    *,
-    budget: float = 0.02,
-    tail: bool = True,
-    always: torch.Tensor | None = None,
-    query_block: int | None = None,
-    measured_queries: int = 0,
+    q: torch.Tensor, heads: ClusterHeads, **options: Unpack[TailOptions]
 ) -> TailAttention:
     """`tail_attention_heads` with the keys each query of each head read exactly,
     `keys_read (H, nq)`."""
@@ -161,15 +154,7 @@ def tail_attention_heads_with_reads(
         # Megabyte-sized (queries, clusters) temporaries, allocated and freed on every call.
         retain_freed_memory()
     qw = geometry.witness(q.to(heads.heads[0].keys_w.dtype))
-    return witness_tail_attention(
-        qw,
-        heads,
-        budget=budget,
-        tail=tail,
-        always=always,
-        query_block=query_block,
-        measured_queries=measured_queries,
-    )
+    return witness_tail_attention(qw, heads, **options)
 
 
 def witness_tail_attention(
@@ -285,11 +270,8 @@ def _always_read(heads: ClusterHeads, always: torch.Tensor):
     witnesses `(H, n, d_w)` and values `(H, n, dv)`."""
     counts, flags, keys, values = heads.counts.clone(), [], [], []
     for head, clusters in enumerate(heads.heads):
-        n_keys = clusters.n_keys
-        position = torch.empty_like(clusters.order)
-        position[clusters.order] = torch.arange(n_keys, device=position.device)
-        positions = position[always]
-        is_always = torch.zeros(n_keys, dtype=torch.bool, device=positions.device)
+        positions = clusters.positions(always)
+        is_always = torch.zeros(clusters.n_keys, dtype=torch.bool, device=positions.device)
         is_always[positions] = True
         flags.append(is_always)
         # Those keys are read exactly, so the estimates of their clusters leave them out.

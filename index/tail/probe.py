@@ -43,11 +43,9 @@ def probe_error(clusters: KeyClusters) -> float:
     exact attention, with `PROBE_QUERIES` of the clusters' keys as queries: evenly spaced by
     id, the first and last included."""
     n_keys = clusters.n_keys
-    device = clusters.order.device
-    ids = torch.linspace(0, n_keys - 1, min(PROBE_QUERIES, n_keys), device=device).round().long()
-    position = torch.empty_like(clusters.order)
-    position[clusters.order] = torch.arange(n_keys, device=device)
-    probes = clusters.keys_w[position[ids]]
+    count = min(PROBE_QUERIES, n_keys)
+    ids = torch.linspace(0, n_keys - 1, count, device=clusters.order.device).round().long()
+    probes = clusters.keys_w[clusters.positions(ids)]
     geometry = clusters.geometry
     with torch.no_grad():
         heads = ClusterHeads.stacked([clusters])
