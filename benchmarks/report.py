@@ -263,16 +263,15 @@ def tail_section(records: list[dict]) -> str:
             "",
             *_measured_table(records),
         ]
-    if any(r["mode"] == "probed" for r in records):
+    if any(r["mode"] == "unprobed" for r in records):
         lines += [
             "",
-            "With the option `probed_pieces=True` (`probed`, not a default): a head's pieces "
-            "halved where 512 of its",
-            "own keys, asked as queries, show the estimate missing and halving mending it",
-            '(docs/indexes.md, "Pieces sized by probes"). The heads whose pieces it halved, tail '
-            "on the default pieces ->",
-            "on the halved ones; every other head keeps the default pieces and the `tail` "
-            "answers above.",
+            "The heads whose pieces the probes halved (`probed_pieces`, a default: 512 of a "
+            "head's own keys, asked",
+            "as queries, show the estimate missing and halving mending it;",
+            '(docs/indexes.md, "Pieces sized by probes"):',
+            "tail on pieces of the default size (`unprobed`, `probed_pieces=False`) -> on the "
+            "halved ones (`tail` above).",
             "",
             *_probed_table(records),
         ]
@@ -280,7 +279,7 @@ def tail_section(records: list[dict]) -> str:
         r
         for r in records
         if not (r["dataset"] in TEXT_SETS and r["geometry"] == "dot")
-        and r["mode"] not in ("measured", "probed", "probed_build")
+        and r["mode"] not in ("measured", "unprobed", "unprobed_build")
     ]
     if others:
         lines += [
@@ -390,9 +389,10 @@ def _measured_table(records: list[dict]) -> list[str]:
 
 
 def _probed_table(records: list[dict]) -> list[str]:
-    """The heads whose pieces `probed_pieces` halved: per budget, tail's median / p99 and time
-    on the default pieces -> on the halved ones, with dense attention's time; then how many
-    heads of each MiniLM data set are on target at 2 % with the option."""
+    """The heads whose pieces the probes halved: per budget, tail's median / p99 and time on
+    pieces of the default size (`unprobed`) -> on the halved ones (`tail`), with dense
+    attention's time; then how many heads of each MiniLM data set are on target at 2 % without
+    the probes."""
     lines = [
         "| data | geometry | layer | head | pieces of at most | build s | budget "
         "| median | p99 | ms | x dense |",
@@ -403,38 +403,38 @@ def _probed_table(records: list[dict]) -> list[str]:
         for r in records
     }
     for r in records:
-        if r["mode"] != "probed_build":
+        if r["mode"] != "unprobed_build":
             continue
         head = (r["dataset"], r["geometry"], r["layer"], r["head"])
         build = at[(*head, "build", None)]
         if r["max_keys"] == build["max_keys"]:
             continue
         dense = at[(*head, "dense", 1.0)]["seconds"]
-        budgets = sorted(key[-1] for key in at if key[:4] == head and key[4] == "probed")
+        budgets = sorted(key[-1] for key in at if key[:4] == head and key[4] == "unprobed")
         for budget in budgets:
-            pair = (at[(*head, "tail", budget)], at[(*head, "probed", budget)])
+            pair = (at[(*head, "unprobed", budget)], at[(*head, "tail", budget)])
             medians, p99s = ([x[m] for x in pair] for m in ("err_median", "err_p99"))
             ms = [1000 * x["seconds"] for x in pair]
             speed = [dense / x["seconds"] for x in pair]
             lines.append(
                 f"| {head[0]} | {head[1]} | {'-' if head[2] is None else head[2]} | {head[3]} | "
-                f"{build['max_keys']} -> {r['max_keys']} | "
-                f"{build['seconds']:.2f} -> {r['seconds']:.2f} | {budget:.1%} | "
+                f"{r['max_keys']} -> {build['max_keys']} | "
+                f"{r['seconds']:.2f} -> {build['seconds']:.2f} | {budget:.1%} | "
                 f"{_arrow(medians)} | {_arrow(p99s)} | {_arrow(ms, '.1f')} | "
                 f"{_arrow(speed, '.1f')} |"
             )
     lines.append("")
     for dataset in TEXT_SETS:
-        probed = [
+        unprobed = [
             r
             for r in records
-            if r["dataset"] == dataset and r["geometry"] == "dot" and r["mode"] == "probed"
+            if r["dataset"] == dataset and r["geometry"] == "dot" and r["mode"] == "unprobed"
         ]
-        at_two = [r for r in probed if r["budget"] == 0.02]
+        at_two = [r for r in unprobed if r["budget"] == 0.02]
         if at_two:
             on_target = sum(r["err_median"] <= 0.05 and r["err_p99"] <= 0.15 for r in at_two)
             lines.append(
-                f"- `{dataset}` at 2 % with the option: {on_target} of {len(at_two)} heads on "
+                f"- `{dataset}` at 2 % without the probes: {on_target} of {len(at_two)} heads on "
                 "target."
             )
     return lines

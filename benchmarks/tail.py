@@ -23,17 +23,17 @@ Modes, all on the same queries against the same exact reference:
   product on CPU); its record carries the head's median effective support `support`
   (exp of the entropy of a query's attention row);
 - `build`: building the clustered representation (`KeyClusters.build`, defaults), once per
-  context, with its pieces' `max_keys`;
+  context, with its pieces' `max_keys` (halved on a head whose own keys, asked as queries, show
+  the estimate missing and halving mending it: `index/tail/probe.py`);
 - `topk`: exact-only sparse attention over the clusters each query visits (`tail=False`);
 - `tail`: the same keys read exactly plus the estimate of every other cluster;
 - `measured` (1 and 2 % only): `tail` with `measured_queries=32`, the option that answers 32
   of the call's queries exactly and moves the others' answers toward the keys read by a factor
   fitted on them (`keys_read_frac` counts the 32 queries' reading every key);
-- `probed`: `tail` over clusters built with the option `probed_pieces=True`
-  (`index/tail/probe.py`: pieces halved where the head's own keys, asked as queries, show the
-  estimate missing and halving mending it); its records carry the pieces' `max_keys`, and a
-  `probed_build` record the build's seconds. Where the probes leave the default pieces, the
-  clusters are the default ones and the `probed` records repeat the `tail` ones.
+- `unprobed`: `tail` over clusters built with `probed_pieces=False` (pieces of the default size
+  on every head, never probed); its records carry the pieces' `max_keys`, and an
+  `unprobed_build` record the build's seconds. Where the probes left the default pieces, the
+  clusters are the same and the `unprobed` records repeat the `tail` ones.
 
 at budgets of 0.5, 1 and 2 % of the keys. Each record: `{"dataset", "layer", "geometry",
 "mode", "head", "budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median",
@@ -132,8 +132,8 @@ def measure_head(
     n: int,
     cluster_options: dict,
 ) -> list[dict]:
-    """Records of one head and geometry: dense, build, probed_build, and topk / tail / probed
-    (and measured) at every budget."""
+    """Records of one head and geometry: dense, build, unprobed_build, and topk / tail /
+    unprobed (and measured) at every budget."""
     name = base["geometry"]
     g = geometry_for(name, native, q.shape[-1])
     if name == "poincare" and not (native and native["name"] == "poincare"):
@@ -149,10 +149,10 @@ def measure_head(
     dense |= {"err_median": 0.0, "err_p99": 0.0, "lse_abs_err_median": 0.0}
     sparse, runs = [], {"dense": lambda: dense_attention(q, k, v, g)}
     start = time.perf_counter()
-    probed = KeyClusters.build(g.witness(k), v, g, probed_pieces=True, **cluster_options)
-    probed_build = {**base, "mode": "probed_build", "seconds": time.perf_counter() - start}
-    halved = int(probed.max_keys) != int(clusters.max_keys)
-    probed_build["max_keys"] = int(probed.max_keys)
+    unprobed = KeyClusters.build(g.witness(k), v, g, probed_pieces=False, **cluster_options)
+    unprobed_build = {**base, "mode": "unprobed_build", "seconds": time.perf_counter() - start}
+    halved = int(unprobed.max_keys) != int(clusters.max_keys)
+    unprobed_build["max_keys"] = int(unprobed.max_keys)
     for budget in BUDGETS:
         results = {}
         for mode in ("topk", "tail", "measured"):
@@ -165,21 +165,25 @@ def measure_head(
             measures = quality(result.out, result.lse, *reference, result.keys_read, n)
             sparse.append({**base, "mode": mode, "budget": budget, **measures})
             runs[(mode, budget)] = functools.partial(tail_attention, q, clusters, **options)
-        result = tail_attention_with_reads(q, probed, budget=budget) if halved else results["tail"]
+        result = (
+            tail_attention_with_reads(q, unprobed, budget=budget) if halved else results["tail"]
+        )
         measures = quality(result.out, result.lse, *reference, result.keys_read, n)
-        sparse.append({**base, "mode": "probed", "budget": budget, **measures})
-        sparse[-1]["max_keys"] = probed_build["max_keys"]
+        sparse.append({**base, "mode": "unprobed", "budget": budget, **measures})
+        sparse[-1]["max_keys"] = unprobed_build["max_keys"]
         if halved:
-            runs[("probed", budget)] = functools.partial(tail_attention, q, probed, budget=budget)
+            runs[("unprobed", budget)] = functools.partial(
+                tail_attention, q, unprobed, budget=budget
+            )
     seconds = best_times(runs, ROUNDS)
-    if not halved:  # the probed clusters are the default ones: the same call, timed once
-        seconds |= {("probed", budget): seconds[("tail", budget)] for budget in BUDGETS}
+    if not halved:  # the unprobed clusters are the default ones: the same call, timed once
+        seconds |= {("unprobed", budget): seconds[("tail", budget)] for budget in BUDGETS}
     dense["seconds"] = seconds["dense"]
     for record in sparse:
         record["seconds"] = seconds[(record["mode"], record["budget"])]
         shown = record | {"seconds": round(record["seconds"], 4)}
         print(json.dumps(shown | {"dense_seconds": round(dense["seconds"], 4)}), flush=True)
-    return [dense, build, probed_build, *sparse]
+    return [dense, build, unprobed_build, *sparse]
 
 
 def plot(records: list[dict], path: Path) -> None:

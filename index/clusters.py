@@ -227,7 +227,7 @@ class KeyClusters:
         outliers: float = DEFAULT_OUTLIERS,
         iterations: int = 10,
         seed: int = 0,
-        probed_pieces: bool = False,
+        probed_pieces: bool = True,
     ) -> KeyClusters:
         """Cluster key witnesses `(n, d_w)` (k-means on their concatenated lifts) and compute the
         statistics. `n_clusters` (k-means centres) defaults to ceil(n_t / 512) for the n_t

@@ -82,7 +82,7 @@ class LocalMemory:
         index: str = "ivf",
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
-        probed_pieces: bool = False,
+        probed_pieces: bool = True,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:

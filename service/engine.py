@@ -221,7 +221,7 @@ class Engine:
         sparse_threads: int = 0,
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
-        probed_pieces: bool = False,
+        probed_pieces: bool = True,
         metrics=None,
     ) -> None:
         sealed_keys(0, open_segment)  # a negative segment: ValueError

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
         "build; 0: always wait",
     )
     probed_pieces: bool = Field(
-        False,
+        True,
         description="tail indexes: a head's pieces halved where its own keys, asked as queries, "
         "show the estimate missing and halving mending it",
     )

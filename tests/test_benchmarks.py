@@ -106,11 +106,11 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
     measured = {"keys_read_frac", "err_median", "err_p99", "lse_abs_err_median"}
     common = {"dataset", "layer", "geometry", "mode", "head", "seconds"}
     for record in records:
-        builds = ("build", "probed_build")
+        builds = ("build", "unprobed_build")
         expected = set(common) if record["mode"] in builds else common | measured | {"budget"}
         if record["mode"] == "dense":
             expected |= {"support"}
-        if record["mode"] in ("build", "probed_build", "probed"):
+        if record["mode"] in ("build", "unprobed_build", "unprobed"):
             expected |= {"max_keys"}
         assert set(record) == expected
         assert record["layer"] is None  # not a text data set
@@ -119,14 +119,14 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
         (d, g, m)
         for d in ("clustered", "tree")
         for g in ("dot", "sphere", "poincare")
-        for m in ("dense", "build", "probed_build", "topk", "tail", "measured", "probed")
+        for m in ("dense", "build", "unprobed_build", "topk", "tail", "measured", "unprobed")
     }
-    # The option `probed_pieces` measures contexts of 16,384 keys and more: here its clusters
-    # are the default ones, and its records repeat tail's.
+    # The probes measure contexts of 16,384 keys and more: here the default clusters are the
+    # unprobed ones, and the `unprobed` records repeat tail's.
     tail_at = {
         (r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"
     }
-    for r in (r for r in records if r["mode"] == "probed"):
+    for r in (r for r in records if r["mode"] == "unprobed"):
         same = tail_at[r["dataset"], r["geometry"], r["budget"]]
         assert {k: v for k, v in r.items() if k not in ("mode", "max_keys")} == {
             k: v for k, v in same.items() if k != "mode"
@@ -160,7 +160,7 @@ def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
     }
     assert {r["head"] for r in records} == set(range(12))
     assert {r["mode"] for r in records} == {
-        "dense", "build", "probed_build", "topk", "tail", "measured", "probed"
+        "dense", "build", "unprobed_build", "topk", "tail", "measured", "unprobed"
     }  # fmt: skip
     assert (tmp_path / "tail.png").stat().st_size > 10_000
 

@@ -1,6 +1,7 @@
-"""Pieces sized by probes (`KeyClusters.build(probed_pieces=True)`, index/tail/probe.py): a head's
-pieces are halved where its own keys, asked as queries, show the tail estimate missing and
-halving mending it; elsewhere the build is the default one."""
+"""Pieces sized by probes (`KeyClusters.build`'s default, `probed_pieces=True`;
+index/tail/probe.py): a head's pieces are halved where its own keys, asked as queries, show the
+tail estimate missing and halving mending it; elsewhere the build is the one without probes
+(`probed_pieces=False`)."""
 
 from dataclasses import fields
 
@@ -45,8 +46,8 @@ def dot():
 
 def test_a_sharp_head_gets_pieces_of_half_the_size_and_a_smaller_probe_error(dot):
     k, v = _head(MIN_PROBED_KEYS, scale=2.0)
-    default = KeyClusters.build(k, v, dot)
-    probed = KeyClusters.build(k, v, dot, probed_pieces=True)
+    default = KeyClusters.build(k, v, dot, probed_pieces=False)
+    probed = KeyClusters.build(k, v, dot)
     assert int(probed.max_keys) == int(default.max_keys) // 2
     assert probe_error(default) > probe_module.PROBE_TOLERANCE
     assert probe_error(probed) <= probe_module.PROBE_GAIN * probe_error(default)
@@ -66,27 +67,27 @@ def test_a_sharp_head_gets_pieces_of_half_the_size_and_a_smaller_probe_error(dot
 
 def test_a_diffuse_head_keeps_the_default_pieces(dot):
     k, v = _head(MIN_PROBED_KEYS, scale=0.3)
-    probed = KeyClusters.build(k, v, dot, probed_pieces=True)
+    probed = KeyClusters.build(k, v, dot)
     assert probe_error(probed) <= probe_module.PROBE_TOLERANCE
-    _assert_same(probed, KeyClusters.build(k, v, dot))
+    _assert_same(probed, KeyClusters.build(k, v, dot, probed_pieces=False))
 
 
 def test_halved_pieces_that_do_not_mend_the_error_are_not_kept(dot, monkeypatch):
     k, v = _head(MIN_PROBED_KEYS, scale=2.0)
     monkeypatch.setattr(probe_module, "PROBE_GAIN", 0.0)
-    _assert_same(KeyClusters.build(k, v, dot, probed_pieces=True), KeyClusters.build(k, v, dot))
+    _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
 
 
 def test_small_contexts_and_explicit_sizes_are_not_probed(dot, monkeypatch):
     calls = []
     monkeypatch.setattr(probe_module, "probe_error", lambda clusters: calls.append(1) or 1.0)
     k, v = _head(MIN_PROBED_KEYS - 1, scale=2.0)
-    _assert_same(KeyClusters.build(k, v, dot, probed_pieces=True), KeyClusters.build(k, v, dot))
+    _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
     k, v = _head(MIN_PROBED_KEYS, scale=2.0)
     for options in ({"max_cluster_keys": 128}, {"n_clusters": 40}):
         _assert_same(
-            KeyClusters.build(k, v, dot, probed_pieces=True, **options),
             KeyClusters.build(k, v, dot, **options),
+            KeyClusters.build(k, v, dot, probed_pieces=False, **options),
         )
     assert calls == []
 
@@ -95,12 +96,13 @@ def test_the_decision_reads_the_trained_keys_only_so_extend_equals_a_build(dot):
     # 1000 keys past the trained prefix: the probes and their pieces come from the prefix, and
     # the keys appended later join the halved pieces, as a build over all of them places them.
     k, v = _head(MIN_PROBED_KEYS + 1000, scale=2.0)
-    whole = KeyClusters.build(k, v, dot, probed_pieces=True)
-    trained = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], dot, probed_pieces=True)
-    assert int(whole.max_keys) == int(trained.max_keys) < int(KeyClusters.build(k, v, dot).max_keys)
+    whole = KeyClusters.build(k, v, dot)
+    trained = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], dot)
+    unprobed = KeyClusters.build(k, v, dot, probed_pieces=False)
+    assert int(whole.max_keys) == int(trained.max_keys) < int(unprobed.max_keys)
     grown = trained
     for start in range(MIN_PROBED_KEYS, len(k), 400):
-        grown = grown.extend(k[start : start + 400], v[start : start + 400], probed_pieces=True)
+        grown = grown.extend(k[start : start + 400], v[start : start + 400])
     assert int(grown.max_keys) == int(whole.max_keys) and torch.equal(grown.order, whole.order)
     torch.testing.assert_close(grown.value_cross, whole.value_cross, rtol=1e-9, atol=1e-9)
 
@@ -118,27 +120,27 @@ def test_the_probe_error_is_tail_attention_of_the_keys_as_queries(geometry):
     assert probe_error(clusters) == pytest.approx(error.quantile(0.95).item(), rel=1e-6)
 
 
-def test_a_local_memory_builds_and_extends_its_clusters_with_the_option():
+def test_a_local_memory_builds_and_extends_its_clusters_with_the_probes():
     k, v = (t.float() for t in _head(MIN_PROBED_KEYS + 600, scale=2.0))
     g = make_geometry("dot", D)
-    memory = LocalMemory(1, D, probed_pieces=True, open_segment=0, exact_while_building=0)
+    memory = LocalMemory(1, D, open_segment=0, exact_while_building=0)
     memory.append(k[None, :MIN_PROBED_KEYS], v[None, :MIN_PROBED_KEYS])
     memory.attend(k[None, :4])  # builds
-    built = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], g, probed_pieces=True)
-    assert int(built.max_keys) < int(KeyClusters.build(k, v, g).max_keys)
+    built = KeyClusters.build(k[:MIN_PROBED_KEYS], v[:MIN_PROBED_KEYS], g)
+    assert int(built.max_keys) < int(KeyClusters.build(k, v, g, probed_pieces=False).max_keys)
     _assert_same(memory._indexes[0], built)
     memory.append(k[None, MIN_PROBED_KEYS:], v[None, MIN_PROBED_KEYS:])
     memory.attend(k[None, :4])  # extends (and waits for it)
-    whole = KeyClusters.build(k, v, g, probed_pieces=True)
+    whole = KeyClusters.build(k, v, g)
     assert int(memory._indexes[0].max_keys) == int(whole.max_keys)
     assert torch.equal(memory._indexes[0].order, whole.order)
-    default = LocalMemory(1, D, open_segment=0)
-    default.append(k[None], v[None])
-    default.attend(k[None, :4])
-    _assert_same(default._indexes[0], KeyClusters.build(k, v, g))
+    unprobed = LocalMemory(1, D, open_segment=0, probed_pieces=False)
+    unprobed.append(k[None], v[None])
+    unprobed.attend(k[None, :4])
+    _assert_same(unprobed._indexes[0], KeyClusters.build(k, v, g, probed_pieces=False))
 
 
-def test_the_service_engine_builds_with_the_option_and_stores_those_clusters_apart(tmp_path):
+def test_the_service_engine_stores_probed_and_unprobed_clusters_apart(tmp_path):
     k, v = (t.float() for t in _head(MIN_PROBED_KEYS, scale=2.0))
     store = EmbeddedStore(tmp_path)
     index = {"kind": "flat", "top_k": 16, "window": 0, "sinks": 0, "budget": 0.02, "options": {}}
@@ -157,13 +159,11 @@ def test_the_service_engine_builds_with_the_option_and_stores_those_clusters_apa
         engine.build_indexes(loaded, ["tail"])
         _assert_same(loaded.clusters[0], KeyClusters.build(k, v, g, probed_pieces=probed))
         assert store.get_blob("ns", "a", name.format(expected)) is not None
-    # The replica without the option built its own clusters: the two differ.
-    assert int(loaded.clusters[0].max_keys) > int(
-        KeyClusters.build(k, v, g, probed_pieces=True).max_keys
-    )
+    # The replica without the probes built its own clusters: the two differ.
+    assert int(loaded.clusters[0].max_keys) > int(KeyClusters.build(k, v, g).max_keys)
 
 
 def test_the_service_reads_the_option_from_the_environment(monkeypatch):
-    assert Settings().probed_pieces is False
-    monkeypatch.setenv("REWA_PROBED_PIECES", "true")
     assert Settings().probed_pieces is True
+    monkeypatch.setenv("REWA_PROBED_PIECES", "false")
+    assert Settings().probed_pieces is False

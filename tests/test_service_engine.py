@@ -74,7 +74,8 @@ def test_clusters_are_built_once_and_shared_through_the_store(tmp_path):
     queries = torch.randn(H, 4, D)
     engine = _engine(store, store_indexes=True)
     result = engine.attend(engine.context("ns", record), queries, params)
-    assert store.get_blob("ns", "a", f"clusters{KeyClusters.FORMAT}-v1-n512-h0.npz") is not None
+    name = f"clusters{KeyClusters.FORMAT}-probed-v1-n512-h0.npz"  # the default: probed pieces
+    assert store.get_blob("ns", "a", name) is not None
     # Another replica on the same store loads the clusters instead of rebuilding them.
     other = _engine(EmbeddedStore(tmp_path), store_indexes=True)
     loaded = other.context("ns", record)

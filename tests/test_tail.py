@@ -329,7 +329,8 @@ def test_a_budget_below_a_cluster_still_reads_the_most_massive():
     g = data.geometry()
     queries = data.q[:128]
     with torch.no_grad():
-        clusters = KeyClusters.build(g.witness(data.k), data.v, g)
+        # Pieces of the default size (the probes would halve them here, under the budget).
+        clusters = KeyClusters.build(g.witness(data.k), data.v, g, probed_pieces=False)
         budget_keys = 0.01 * 16384
         assert (clusters.counts[~clusters.exact_read] > budget_keys).float().mean() > 0.9
         log_mass = estimate_clusters(g.witness(queries), clusters).log_mass
