@@ -184,8 +184,9 @@ def test_an_ivf_index_trained_in_pytorch_holds_the_lists_faiss_training_makes(da
     monkeypatch.setattr(LiftIndex, "_add_trained_in_pytorch", trained_by_faiss)
     faiss_trained = build_index(data.k, data.geometry(), "ivf")
     for ours, theirs in zip(torch_trained.parts, faiss_trained.parts, strict=True):
-        lists, expected_lists = _list_of_each_key(*ours.list_layout()), _list_of_each_key(
-            *theirs.list_layout()
+        lists, expected_lists = (
+            _list_of_each_key(*ours.list_layout()),
+            _list_of_each_key(*theirs.list_layout()),
         )
         if dataset == "tree":
             # The Poincare lifts' k-means is ill-conditioned: FAISS's AVX-512 distances round
