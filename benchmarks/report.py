@@ -266,12 +266,12 @@ def tail_section(records: list[dict]) -> str:
     if any(r["mode"] == "unprobed" for r in records):
         lines += [
             "",
-            "The heads whose pieces the probes halved (`probed_pieces`, a default: 512 of a "
+            "The heads whose pieces the probes halved (`probed_pieces`, the default: 512 of a "
             "head's own keys, asked",
-            "as queries, show the estimate missing and halving mending it;",
-            '(docs/indexes.md, "Pieces sized by probes"):',
-            "tail on pieces of the default size (`unprobed`, `probed_pieces=False`) -> on the "
-            "halved ones (`tail` above).",
+            "as queries, show the estimate missing and halving mending it; see",
+            'docs/indexes.md, "Pieces sized by probes"). Per head: tail on pieces of the '
+            "default size (`unprobed`,",
+            "`probed_pieces=False`) -> on the halved ones (`tail` above).",
             "",
             *_probed_table(records),
         ]

@@ -238,10 +238,10 @@ class KeyClusters:
         full covariance); the fraction `outliers` of the keys, those farthest from their
         cluster's centre, form one more cluster, which every query reads (module docstring).
 
-        `probed_pieces` (an option, off by default): where the default piece size applies, the
-        trained keys' pieces are measured with some of those keys as queries, and halved where
-        the tail estimate misses and halving mends it (`tail/probe.py`; docs/indexes.md,
-        "Pieces sized by probes")."""
+        `probed_pieces` (on by default): where the default piece size applies, the trained
+        keys' pieces are measured with some of those keys as queries, and halved where the
+        tail estimate misses and halving mends it (`tail/probe.py`; docs/indexes.md, "Pieces
+        sized by probes"); `False` keeps the default size on every head."""
         if keys_w.dim() != 2 or values.dim() != 2 or keys_w.shape[0] != values.shape[0]:
             raise ValueError(
                 f"expected key witnesses (n, d) and values (n, dv) with the same n, got "

@@ -65,7 +65,8 @@ class LocalMemory:
     (dense attention). `open_segment`: the size of the segments the index takes whole; the
     tokens of the last, open one are read exactly (module docstring). `exact_while_building`:
     the most query-key pairs an attend reads exactly instead of waiting for a tail extension
-    under way (module docstring). `probed_pieces`: tail mode's clusters built with that option
+    under way (module docstring). `probed_pieces`: tail mode's clusters built with pieces sized
+    by probes (the default) or, with `False`, of the default size on every head
     (`KeyClusters.build`; docs/indexes.md, "Pieces sized by probes"). The memory holds float32
     tensors on `device`."""
 

@@ -536,8 +536,9 @@ class Engine:
         namespace, context_id, version = loaded.key
         built = []
         sealed = loaded.sealed
-        # Clusters built with `probed_pieces` are stored apart: a replica without the option
-        # would otherwise load them, and answer differently from its own build.
+        # Clusters built with `probed_pieces` (the default) and without are stored apart: a
+        # replica with the other setting would otherwise load them, and answer differently from
+        # its own build.
         probed = "-probed" if self.probed_pieces else ""
         for head in range(loaded.keys.shape[0] if sealed else 0):
             name = f"clusters{KeyClusters.FORMAT}{probed}-v{version}-n{sealed}-h{head}.npz"

@@ -1,5 +1,5 @@
 """Pieces sized by probes: a head's pieces halved where its own keys, asked as queries, show the
-tail estimate missing and halving mending it (`KeyClusters.build(probed_pieces=True)`;
+tail estimate missing and halving mending it (`KeyClusters.build`'s default, `probed_pieces`;
 docs/indexes.md, "Pieces sized by probes").
 
 The default piece size (`clusters.default_cluster_keys`) depends on the number of keys and the
