@@ -121,18 +121,15 @@ def test_tail_benchmark_writes_records_and_a_plot(tmp_path):
         for g in ("dot", "sphere", "poincare")
         for m in ("dense", "build", "unprobed_build", "topk", "tail", "measured", "unprobed")
     }
+    tail = {(r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"}
     # The probes measure contexts of 16,384 keys and more: here the default clusters are the
     # unprobed ones, and the `unprobed` records repeat tail's.
-    tail_at = {
-        (r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"
-    }
     for r in (r for r in records if r["mode"] == "unprobed"):
-        same = tail_at[r["dataset"], r["geometry"], r["budget"]]
+        same = tail[r["dataset"], r["geometry"], r["budget"]]
         assert {k: v for k, v in r.items() if k not in ("mode", "max_keys")} == {
             k: v for k, v in same.items() if k != "mode"
         }
     # The option `measured_queries` at 1 and 2 %: its 32 exact queries read every key.
-    tail = {(r["dataset"], r["geometry"], r["budget"]): r for r in records if r["mode"] == "tail"}
     measured = [r for r in records if r["mode"] == "measured"]
     assert {r["budget"] for r in measured} == {0.01, 0.02}
     for r in measured:

@@ -26,11 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-from rewa.attention import witness_attention
-
 from ..clusters import ClusterHeads, KeyClusters
 from ..measures import output_error
 from . import witness_tail_attention
+from .measured import exact_answers
 
 PROBE_QUERIES = 512  # keys asked as queries
 PROBE_BUDGET = 0.02  # tail attention's default budget
@@ -38,30 +37,53 @@ PROBE_TOLERANCE = 0.075  # the probes' 95th percentile error above which halved 
 PROBE_GAIN = 0.8  # halved pieces are kept where their error is at most this share of the first
 
 
-def probe_error(clusters: KeyClusters) -> float:
+def probe_error(clusters: KeyClusters, exact: torch.Tensor | None = None) -> float:
     """The 95th percentile of the output error of tail attention (at `PROBE_BUDGET`) against
     exact attention, with `PROBE_QUERIES` of the clusters' keys as queries: evenly spaced by
-    id, the first and last included."""
+    id, the first and last included. `exact`: the probes' exact outputs (`exact_outputs`),
+    which every cut of the same keys shares; computed here when not given."""
+    heads = ClusterHeads.stacked([clusters])
+    probes = _probes(clusters).unsqueeze(0)
+    with torch.no_grad():
+        if exact is None:
+            exact = _exact_outputs(probes, heads)
+        estimated = witness_tail_attention(probes, heads, budget=PROBE_BUDGET)
+        error = output_error(estimated.out[0], exact)
+    return error.double().quantile(0.95).item()
+
+
+def exact_outputs(clusters: KeyClusters) -> torch.Tensor:
+    """The probes' outputs `(PROBE_QUERIES, dv)` of exact attention over every key of
+    `clusters` (after the geometry's output map), what `probe_error` measures against."""
+    with torch.no_grad():
+        return _exact_outputs(_probes(clusters).unsqueeze(0), ClusterHeads.stacked([clusters]))
+
+
+def _probes(clusters: KeyClusters) -> torch.Tensor:
+    """The probes' witnesses `(min(PROBE_QUERIES, n), d_w)`: the keys of ids evenly spaced over
+    `[0, n)`, the first and last included."""
     n_keys = clusters.n_keys
     count = min(PROBE_QUERIES, n_keys)
     ids = torch.linspace(0, n_keys - 1, count, device=clusters.order.device).round().long()
-    probes = clusters.keys_w[clusters.positions(ids)]
-    geometry = clusters.geometry
-    with torch.no_grad():
-        heads = ClusterHeads.stacked([clusters])
-        estimated = witness_tail_attention(probes.unsqueeze(0), heads, budget=PROBE_BUDGET)
-        exact, _ = witness_attention(probes, clusters.keys_w, clusters.values, geometry)
-        error = output_error(estimated.out[0], geometry.output_map(exact))
-    return error.double().quantile(0.95).item()
+    return clusters.keys_w[clusters.positions(ids)]
+
+
+def _exact_outputs(probes: torch.Tensor, heads: ClusterHeads) -> torch.Tensor:
+    """Exact attention of the probe witnesses `(1, m, d_w)` over the one head's keys `(m,
+    dv)`, after the output map."""
+    out, _ = exact_answers(probes, heads)
+    return heads.geometry.output_map(out[0])
 
 
 def finer_pieces(cut: Callable[[int], KeyClusters], max_keys: int) -> KeyClusters:
     """`cut(max_keys)`, the keys cut into pieces of at most `max_keys` keys, or `cut(max_keys //
     2)` where the first misses `PROBE_TOLERANCE` and the second is at most `PROBE_GAIN` of its
-    error (`probe_error`)."""
+    error (`probe_error`). Both cuts hold the same keys, so the probes' exact attention is
+    computed once."""
     pieces = cut(max_keys)
-    error = probe_error(pieces)
+    exact = exact_outputs(pieces)
+    error = probe_error(pieces, exact)
     if error <= PROBE_TOLERANCE:
         return pieces
     halved = cut(max_keys // 2)
-    return halved if probe_error(halved) <= PROBE_GAIN * error else pieces
+    return halved if probe_error(halved, exact) <= PROBE_GAIN * error else pieces
