@@ -16,8 +16,9 @@ similarities to the cluster's keys exactly. Per cluster c the representation kee
 - `counts` n_c, the feature `mean` mu_c, and `radius` (per lift): the largest `|b - mu_c|`,
   which bounds every similarity to `s_bar +- |a| radius`;
 - the feature covariance `Sigma_c ~ F_c F_c^T + diag(residual_c)`: `factor` F_c = U_c
-  Lambda_c^(1/2) (D x r) from its top r eigenpairs, `residual` the diagonal of what they leave
-  out; `rank = D` keeps the full covariance;
+  Lambda_c^(1/2) (D x r) from its top r eigenpairs (by subspace iteration where 2 r < D,
+  `_leading_eigh`), `residual` the diagonal of what they leave out; `rank = D` keeps the full
+  covariance;
 - `value_mean` m_c and `value_cross` `Cov(b, v)` (D x dv), the full key-value
   cross-covariance. It is kept whole, unlike the key covariance: on the `text` heads of
   `benchmarks/tail.py` (dot product, 1 % of keys read) the estimate's error is set by the
@@ -328,10 +329,10 @@ class KeyClusters:
         order = piece.argsort(stable=True)  # by piece, ids ascending within each
         counts = torch.bincount(piece, minlength=trees.n_pieces)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        sorted_keys, sorted_values = keys_w[order], values[order]
+        sorted_keys, sorted_values = _rows(keys_w, order), _rows(values, order)
         geometry = groups.geometry
         stats = _cluster_statistics(
-            features[order],
+            _rows(features, order),
             sorted_values,
             offsets,
             geometry.lift(sorted_keys[:1], "key"),
@@ -420,7 +421,7 @@ class KeyClusters:
         order = piece.argsort(stable=True)
         counts = torch.bincount(piece, minlength=trees.n_pieces)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        sorted_keys, sorted_values = all_keys[order], all_values[order]
+        sorted_keys, sorted_values = _rows(all_keys, order), _rows(all_values, order)
         joined = torch.zeros(n_pieces, dtype=torch.bool, device=piece.device)
         joined[new_piece] = True
         cut_off = torch.ones(trees.n_pieces, dtype=torch.bool, device=piece.device)
@@ -717,22 +718,20 @@ def _batch_statistics(
     """The moments of the clusters whose keys are rows `first[c] : first[c] + counts[c]` of the
     sorted features and values: the clusters' rows gathered into one `(nb, length, D)` batch
     padded with zeros, centred before their products."""
-    dim = features.shape[-1]
     position = torch.arange(length, device=features.device)
     present = (position < counts.unsqueeze(-1)).unsqueeze(-1)  # (nb, longest, 1)
     rows = (first.unsqueeze(-1) + position).clamp_max(features.shape[0] - 1)
     size = counts.clamp_min(1).to(features.dtype).reshape(-1, 1, 1)
-    b = features[rows] * present
-    v = values[rows] * present
+    b = _rows(features, rows) * present
+    v = _rows(values, rows) * present
     mu, m = b.sum(1, keepdim=True) / size, v.sum(1, keepdim=True) / size
     centred, centred_v = (b - mu) * present, (v - m) * present
     covariance = centred.transpose(1, 2) @ centred / size
-    eigenvalues, eigenvectors = _eigh(covariance)  # ascending
-    top = eigenvectors[..., dim - rank :]
+    eigenvalues, top = _leading_eigh(covariance, rank)  # ascending
     # An eigenvector's sign is arbitrary; fixed (its largest component positive) so that the
     # same cluster gets the same factor in any batch.
     top = top * top.gather(1, top.abs().argmax(1, keepdim=True)).sign()
-    factor = top * eigenvalues[:, None, dim - rank :].clamp_min(0).sqrt()
+    factor = top * eigenvalues[:, None, :].clamp_min(0).sqrt()
     left_out = covariance.diagonal(dim1=-2, dim2=-1) - factor.square().sum(-1)
     return {
         "mean": mu.squeeze(1),
@@ -742,6 +741,42 @@ def _batch_statistics(
         "value_mean": m.squeeze(1),
         "value_cross": centred.transpose(1, 2) @ centred_v / size,
     }
+
+
+# Subspace iteration for a covariance's leading eigenpairs (`_leading_eigh`): a basis of twice
+# the rank, multiplied by the covariance this many times (docs/benchmark-notes.md, "A faster
+# tail build (issue 25)").
+SUBSPACE_STEPS = 8
+
+
+def _leading_eigh(covariance: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `rank` leading eigenpairs of a batch of covariances `(nb, D, D)`: eigenvalues
+    `(nb, rank)` ascending and unit eigenvectors `(nb, D, rank)`.
+
+    Where twice the rank is less than D, by subspace iteration: a fixed orthonormal basis of
+    `2 rank` columns (seeded, the same for every cluster) is multiplied by the covariance
+    `SUBSPACE_STEPS` times, orthonormalised after each product, and the covariance projected
+    on it is solved by `_eigh` (its Rayleigh-Ritz pairs). Each product costs `D^2 2 rank`
+    against the `D^3` of a full solve: at D = 64-128 the full solve took most of the
+    statistics' time. Otherwise (and at rank 0) the full `_eigh`. Either way each covariance
+    is solved by operations of its own, so a cluster's answer does not depend on its batch."""
+    dim = covariance.shape[-1]
+    width = 2 * rank
+    if rank == 0 or width >= dim:
+        eigenvalues, eigenvectors = _eigh(covariance)
+        return eigenvalues[:, dim - rank :], eigenvectors[..., dim - rank :]
+    trace = covariance.diagonal(dim1=-2, dim2=-1).sum(-1)
+    scale = torch.where(trace > 0, torch.exp2(torch.log2(trace).round()), torch.ones_like(trace))
+    scaled = covariance / scale[:, None, None]
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(dim, width, generator=generator, dtype=torch.float64)
+    basis = torch.linalg.qr(start).Q.to(covariance.device, covariance.dtype)
+    basis = basis.expand(covariance.shape[0], dim, width)
+    for _ in range(SUBSPACE_STEPS):
+        basis = torch.linalg.qr(scaled @ basis).Q
+    eigenvalues, eigenvectors = _eigh(basis.transpose(1, 2) @ scaled @ basis)
+    top = basis @ eigenvectors[..., width - rank :]
+    return eigenvalues[:, width - rank :] * scale[:, None], top
 
 
 def _eigh(covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1094,10 +1129,15 @@ def _split_batch(
     valid = torch.arange(width, device=device) < m.unsqueeze(-1)  # (B, M)
     index = torch.zeros(len(sets), width, dtype=torch.long, device=device)
     index[valid] = torch.cat(sets)
-    features = features[index].double().masked_fill(~valid.unsqueeze(-1), 0.0)
+    dtype = features.dtype
+    features = _rows(features, index).double().masked_fill(~valid.unsqueeze(-1), 0.0)
     mean = features.sum(1) / m.unsqueeze(-1)
     centred = (features - mean.unsqueeze(1)) * valid.unsqueeze(-1)
-    axis = _principal_axes(centred)  # (B, D)
+    # The axis is a direction: found in the keys' own dtype (float32 products are about twice
+    # as fast), then made a float64 unit vector, which the projections below and
+    # `_PieceTrees.pieces_of` share (docs/benchmark-notes.md, "A faster tail build (issue 25)").
+    axis = _principal_axes(centred.to(dtype)).double()  # (B, D)
+    axis = axis / axis.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(axis.dtype).tiny)
     projection = (features * axis.unsqueeze(1)).sum(-1)  # as `_PieceTrees.pieces_of`
     ascending = projection.masked_fill(~valid, math.inf).sort(-1).values
     # Place i (1 <= i < m) cuts between ascending[i - 1] and ascending[i].
@@ -1142,6 +1182,14 @@ def _inserted(rows: torch.Tensor, new: torch.Tensor, at: torch.Tensor) -> torch.
     # about twice as fast as torch.cat's (docs/benchmark-notes.md,
     # "Appends and builds of the clustered tail (issue 23)").
     return torch.from_numpy(np.concatenate([part.numpy() for part in parts]))
+
+
+def _rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`table[index]` for an integer `index` of any shape: the rows of `table` `(n, ...)` at
+    `index`, `(*index.shape, ...)`. By `index_select`, which gathered a million rows of 64
+    floats in half the time of indexing on the CPU (docs/benchmark-notes.md, "A faster tail
+    build (issue 25)")."""
+    return table.index_select(0, index.reshape(-1)).view(*index.shape, *table.shape[1:])
 
 
 def _ranges(begin: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
