@@ -57,8 +57,13 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Test files run on TEST_WORKERS processes (pytest-xdist), a file's tests all on one process, so
+# a module's servers and fixtures are started once. Two workers: this suite's time on a 2-core
+# machine falls from about 620 to 480 s (docs/benchmark-notes.md, "The test suite on two workers").
+TEST_WORKERS ?= 2
+
 test: lint redis
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Every benchmark (gpu.py only where CUDA is available), then docs/benchmarks.md from the results.
 bench: $(VENV)/.dev-installed
