@@ -58,8 +58,8 @@ lint: $(VENV)/.dev-installed
 	$(BIN)/ruff format --check .
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), a file's tests all on one process, so
-# a module's servers and fixtures are started once. Two workers: this suite's time on a 2-core
-# machine falls from about 620 to 480 s (docs/benchmark-notes.md, "The test suite on two workers").
+# a module's servers and fixtures are started once (docs/benchmark-notes.md, "The test suite on
+# two workers").
 TEST_WORKERS ?= 2
 
 test: lint redis
