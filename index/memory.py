@@ -22,7 +22,12 @@ memory of the process), not in the attend that fills the segment: until the exte
 attends read the clusters they had and every later token exactly, unless that is more than
 `exact_while_building` query-key pairs (then they wait; 0: always wait, so that answers never
 depend on when an extension ended). `wait_for_index` waits for it (docs/indexes.md, "Builds
-in the background"). The first index of a memory is built in the attend that needs it."""
+in the background"). The first index of a memory is built in the attend that needs it.
+
+With `audit_every`, one query row in that many is also answered exactly and the error of the
+memory's answer kept per head (`audit.py`, `audit_report`); a tail head whose 99th percentile
+of them passes `audit_target` has its pieces cut again at half the size, on the build thread
+(docs/indexes.md, "The audit")."""
 
 from __future__ import annotations
 
@@ -35,8 +40,10 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
-from .clusters import ClusterHeads, KeyClusters, check_clusterable
+from .audit import AUDIT_TARGET, AUDIT_WINDOW, Audit
+from .clusters import MIN_CLUSTER_KEYS, ClusterHeads, KeyClusters, check_clusterable
 from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
+from .measures import output_error
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
 from .tail.threads import background_threads
@@ -67,8 +74,11 @@ class LocalMemory:
     the most query-key pairs an attend reads exactly instead of waiting for a tail extension
     under way (module docstring). `probed_pieces`: tail mode's clusters built with pieces sized
     by probes (the default) or, with `False`, of the default size on every head
-    (`KeyClusters.build`; docs/indexes.md, "Pieces sized by probes"). The memory holds float32
-    tensors on `device`."""
+    (`KeyClusters.build`; docs/indexes.md, "Pieces sized by probes"). `audit_every`: one query
+    row in that many also answered exactly, and its error kept per head, the latest
+    `audit_window`; 0 (the default): no audit. In tail mode a head whose audited 99th
+    percentile passes `audit_target` gets pieces of half the size (module docstring). The
+    memory holds float32 tensors on `device`."""
 
     def __init__(
         self,
@@ -84,6 +94,9 @@ class LocalMemory:
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
         probed_pieces: bool = True,
+        audit_every: int = 0,
+        audit_window: int = AUDIT_WINDOW,
+        audit_target: float = AUDIT_TARGET,
         device: torch.device | str = "cpu",
         **geometry_options,
     ) -> None:
@@ -103,6 +116,12 @@ class LocalMemory:
             raise ValueError(
                 f"expected exact_while_building >= 0 query-key pairs, got {exact_while_building}"
             )
+        if audit_every < 0:
+            raise ValueError(f"expected audit_every >= 0 (0: no audit), got {audit_every}")
+        if audit_every and mode == "exact":
+            raise ValueError("mode 'exact' answers exactly: there is nothing to audit")
+        if not audit_target > 0:
+            raise ValueError(f"expected an audit_target > 0 (a relative error), got {audit_target}")
         if isinstance(geometry, str):
             geometry = make_geometry(geometry, head_dim, **geometry_options)
         elif geometry_options:
@@ -118,6 +137,12 @@ class LocalMemory:
         self.mode, self.budget, self.top_k, self.index_kind = mode, budget, top_k, index
         self.open_segment, self.exact_while_building = open_segment, exact_while_building
         self.probed_pieces = probed_pieces
+        self.audit_target = audit_target
+        self._audit = Audit(heads, audit_every, audit_window) if audit_every else None
+        # tail: the heads whose pieces the audit cut again -> their pieces' most keys, which
+        # extensions and retrainings keep
+        self._audited_keys: dict[int, int] = {}
+        self._recutting: int | None = None  # the head the extension under way cuts again
         self._key_buffer = torch.empty(heads, INITIAL_CAPACITY, head_dim, device=self.device)
         self._value_buffer = torch.empty(
             heads, INITIAL_CAPACITY, self.value_dim, device=self.device
@@ -196,9 +221,47 @@ class LocalMemory:
                     q, self._key_buffer[:, recent], self._value_buffer[:, recent], self.geometry
                 )
             )
-        return merge_attention(*parts) if len(parts) > 1 else parts[0]
+        out, lse = merge_attention(*parts) if len(parts) > 1 else parts[0]
+        if self._audit is not None:
+            self._audit_answers(q, out)
+        return out, lse
 
     __call__ = attend
+
+    def audit_report(self) -> list[dict]:
+        """Per head: `audited` (the errors kept, at most `audit_window`), their `err_median` and
+        `err_p99` (None while none is kept) and, in tail mode, `max_keys`, the most keys of
+        the head's pieces (0 before its first index). An error is `||out - exact|| /
+        ||exact||` of one audited query row's answer."""
+        if self._audit is None:
+            raise ValueError("this memory has no audit: construct it with audit_every >= 1")
+        report = self._audit.report()
+        if self.mode == "tail":
+            for head, row in enumerate(report):
+                row["max_keys"] = int(self._indexes[head].max_keys) if self._indexes else 0
+        return report
+
+    def _audit_answers(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Answer this call's audited rows (`Audit.rows`) exactly, keep their errors, and, in
+        tail mode, start cutting again the first head whose audit misses (unless an extension
+        is under way: then a later attend does)."""
+        rows = self._audit.rows(q.shape[1]).to(q.device)
+        if len(rows) == 0:
+            return
+        exact, _ = dense_attention(q[:, rows], self.keys, self.values, self.geometry)
+        self._audit.record(output_error(out[:, rows], exact))
+        if self.mode != "tail" or not self._indexes or self._extension is not None:
+            return
+        for head in self._audit.missing(self.audit_target):
+            max_keys = int(self._indexes[head].max_keys) // 2
+            if max_keys >= MIN_CLUSTER_KEYS:
+                keys = self.geometry.witness(self._key_buffer[head, : self._indexed])
+                self._extension = _builder().submit(
+                    _recut, self._indexes, head, keys, self._value_buffer[head, : self._indexed],
+                    self.geometry, max_keys,
+                )  # fmt: skip
+                self._extending_to, self._recutting = self._indexed, head
+                return
 
     def wait_for_index(self) -> None:
         """Wait until the index holds every sealed token: for the extension under way, then
@@ -218,7 +281,10 @@ class LocalMemory:
     def close(self) -> None:
         """Free the tensors and indexes (the memory is empty afterwards); an extension under way
         finishes on the build thread and is dropped."""
-        self._extension, self._extending_to = None, 0
+        self._extension, self._extending_to, self._recutting = None, 0, None
+        self._audited_keys = {}
+        if self._audit is not None:
+            self._audit = Audit(self.heads, self._audit.every, self._audit.window)
         self._key_buffer = self._key_buffer[:, :0]
         self._value_buffer = self._value_buffer[:, :0]
         self._n_tokens = self._indexed = 0
@@ -261,7 +327,7 @@ class LocalMemory:
                 # build thread reads them in place while the memory takes more tokens.
                 self._extension = _builder().submit(
                     _extended, self._indexes, witness(keys[:, self._indexed :]),
-                    values[:, self._indexed :], probed,
+                    values[:, self._indexed :], probed, dict(self._audited_keys),
                 )  # fmt: skip
                 self._extending_to = sealed
             if rows * (self._n_tokens - self._indexed) > self.exact_while_building:
@@ -277,8 +343,12 @@ class LocalMemory:
         """The finished extension's clusters in place of the current ones (its error raised, and
         forgotten, if it failed: the next attend starts it again)."""
         extension, self._extension = self._extension, None
+        recut, self._recutting = self._recutting, None
         self._indexes, self._cluster_heads = extension.result()
         self._indexed = self._extending_to
+        if recut is not None:
+            self._audited_keys[recut] = int(self._indexes[recut].max_keys)
+            self._audit.clear(recut)  # its errors measured the pieces before
 
     def __repr__(self) -> str:
         return (
@@ -288,14 +358,43 @@ class LocalMemory:
 
 
 def _extended(
-    clusters: list[KeyClusters], keys_w: torch.Tensor, values: torch.Tensor, probed_pieces: bool
+    clusters: list[KeyClusters],
+    keys_w: torch.Tensor,
+    values: torch.Tensor,
+    probed_pieces: bool,
+    audited_keys: dict[int, int],
 ) -> tuple[list[KeyClusters], ClusterHeads]:
     """On the build thread: every head's clusters extended by its new key witnesses `(heads,
     m, d_w)` and values (new objects: the old ones keep answering), and the heads stacked;
-    `probed_pieces` is the build's option, for a retraining."""
+    `probed_pieces` is the build's option, for a retraining, except on the heads of
+    `audited_keys`, whose pieces keep the size the audit chose."""
     with torch.no_grad():
         extended = [
-            head.extend(keys_w[h], values[h], probed_pieces=probed_pieces)
+            head.extend(keys_w[h], values[h], **_build_options(h, probed_pieces, audited_keys))
             for h, head in enumerate(clusters)
         ]
         return extended, ClusterHeads.stacked(extended)
+
+
+def _build_options(head: int, probed_pieces: bool, audited_keys: dict[int, int]) -> dict:
+    if head in audited_keys:
+        return {"max_cluster_keys": audited_keys[head], "probed_pieces": False}
+    return {"probed_pieces": probed_pieces}
+
+
+def _recut(
+    clusters: list[KeyClusters],
+    head: int,
+    keys_w: torch.Tensor,
+    values: torch.Tensor,
+    geometry: Geometry,
+    max_keys: int,
+) -> tuple[list[KeyClusters], ClusterHeads]:
+    """On the build thread: `clusters` with the head `head` built again from its key witnesses
+    `(n, d_w)` and values in pieces of at most `max_keys` keys, and the heads stacked."""
+    with torch.no_grad():
+        recut = list(clusters)
+        recut[head] = KeyClusters.build(
+            keys_w, values, geometry, max_cluster_keys=max_keys, probed_pieces=False
+        )
+        return recut, ClusterHeads.stacked(recut)

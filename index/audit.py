@@ -1,0 +1,79 @@
+"""An audit of a memory's answers against exact attention (docs/indexes.md, "The audit").
+
+The probes that size a tail head's pieces (`tail/probe.py`) ask the head's keys, because its
+queries are not known when it is indexed; on some heads the real queries miss where the keys do
+not (docs/benchmark-notes.md, "The head the probes leave alone"). An audit measures the real
+queries instead: one query row in `every`, counted over the memory's life (so the same rows
+whatever the sizes of the calls), is also answered by exact dense attention over every token,
+and the relative output error of the memory's answer is kept per head, the latest `window` of
+them. A head whose 99th percentile over a full window is above `target` is `missing`; the
+memory then cuts that head's pieces again at half the size (`LocalMemory`, tail mode).
+
+Auditing one row in `every` adds about 1/`every` of dense attention's work to a call; a 99th
+percentile over 512 errors rests on their 5 worst, so a head is judged only once its window is
+full."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+AUDIT_WINDOW = 512  # the latest errors kept per head; a head is judged on a full window
+AUDIT_TARGET = 0.15  # the 99th percentile of the relative output error a head should stay within
+
+
+class Audit:
+    """The audited errors of `heads` heads: one query row in `every`, the latest `window` per
+    head."""
+
+    def __init__(self, heads: int, every: int, window: int = AUDIT_WINDOW) -> None:
+        if heads < 1:
+            raise ValueError(f"expected heads >= 1, got {heads}")
+        if every < 1:
+            raise ValueError(f"expected an audit of one query row in every >= 1, got {every}")
+        if window < 1:
+            raise ValueError(f"expected an audit window of >= 1 errors, got {window}")
+        self.every, self.window = every, window
+        self._rows_seen = 0
+        self._errors = [deque(maxlen=window) for _ in range(heads)]
+
+    def rows(self, m: int) -> torch.Tensor:
+        """The indices of the audited rows among a call's `m` query rows (those whose count over
+        the memory's life is a multiple of `every`); the call's rows count as seen."""
+        first = -self._rows_seen % self.every
+        self._rows_seen += m
+        return torch.arange(first, m, self.every)
+
+    def record(self, errors: torch.Tensor) -> None:
+        """Keep the audited rows' errors `(heads, r)`."""
+        for kept, row in zip(self._errors, errors.tolist(), strict=True):
+            kept.extend(row)
+
+    def clear(self, head: int) -> None:
+        """Forget a head's errors (its index changed: they measured the one before)."""
+        self._errors[head].clear()
+
+    def missing(self, target: float) -> list[int]:
+        """The heads whose window is full and whose 99th percentile is above `target`."""
+        return [
+            head
+            for head, kept in enumerate(self._errors)
+            if len(kept) == self.window and _quantile(kept, 0.99) > target
+        ]
+
+    def report(self) -> list[dict]:
+        """Per head: `audited` (errors kept), and their `err_median` and `err_p99` (None while
+        none is kept)."""
+        return [
+            {
+                "audited": len(kept),
+                "err_median": _quantile(kept, 0.5) if kept else None,
+                "err_p99": _quantile(kept, 0.99) if kept else None,
+            }
+            for kept in self._errors
+        ]
+
+
+def _quantile(values: deque, q: float) -> float:
+    return torch.tensor(list(values), dtype=torch.float64).quantile(q).item()

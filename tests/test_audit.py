@@ -1,0 +1,186 @@
+"""The audit of a memory's answers (index/audit.py, `LocalMemory(audit_every=...)`): one query
+row in `audit_every`, counted over the memory's life, is also answered exactly; the errors are
+kept per head, and a tail head whose 99th percentile over a full window passes the target gets
+pieces of half the size. The heads here: keys around centres, `scale` times as long; at 8192
+keys a scale of 1.2 gives a sharp head whose tail answers miss the default target (p99 0.15)
+and a scale of 0.3 a diffuse one far within it."""
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from rewa.attention import dense_attention, make_geometry
+from rewa.index import KeyClusters, LocalMemory
+from rewa.index import memory as index_memory
+from rewa.index.audit import AUDIT_TARGET, Audit
+from rewa.index.clusters import MIN_CLUSTER_KEYS
+from rewa.index.measures import output_error
+
+D, N = 16, 8192
+
+
+def _head(n: int, scale: float, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.randn(max(1, n // 512), D, generator=generator)
+    labels = torch.randint(len(centres), (n,), generator=generator)
+    k = (centres[labels] + torch.randn(n, D, generator=generator)) * scale
+    return k, k @ torch.randn(D, D, generator=generator)
+
+
+def _sharp_and_diffuse(n: int = N):
+    """Keys and values `(2, n, D)`: head 0 sharp, head 1 diffuse."""
+    (k0, v0), (k1, v1) = _head(n, 1.2, seed=0), _head(n, 0.3, seed=1)
+    return torch.stack([k0, k1]), torch.stack([v0, v1])
+
+
+def _queries(keys: torch.Tensor, m: int, seed: int = 5) -> torch.Tensor:
+    """`m` queries per head near that head's keys."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randint(keys.shape[1], (keys.shape[0], m), generator=generator)
+    near = torch.gather(keys, 1, rows[..., None].expand(-1, -1, D))
+    return near + 0.1 * torch.randn(near.shape, generator=generator)
+
+
+def _memory(keys, values, **options) -> LocalMemory:
+    options = {"open_segment": 0, "probed_pieces": False, "exact_while_building": 0} | options
+    memory = LocalMemory(keys.shape[0], D, **options)
+    memory.append(keys, values)
+    return memory
+
+
+def _assert_same(mine: KeyClusters, theirs: KeyClusters) -> None:
+    for field in fields(KeyClusters):
+        if field.name != "geometry":
+            a, b = getattr(mine, field.name), getattr(theirs, field.name)
+            assert a.shape == b.shape and torch.equal(a, b), field.name
+
+
+def test_the_audited_rows_are_counted_over_the_memory_life():
+    audit = Audit(heads=1, every=4)
+    assert audit.rows(7).tolist() == [0, 4]
+    assert audit.rows(1).tolist() == []  # row 7
+    assert audit.rows(10).tolist() == [0, 4, 8]  # rows 8, 12, 16
+    assert audit.rows(3).tolist() == [2]  # row 20 of 18-20
+
+
+def test_the_report_holds_the_errors_of_the_audited_answers():
+    keys, values = _sharp_and_diffuse()
+    memory = _memory(keys, values, audit_every=4, audit_window=1000)
+    queries = _queries(keys, 30)
+    outs = [memory.attend(queries[:, rows])[0] for rows in (slice(0, 7), slice(7, 8), slice(8, 30))]
+    out = torch.cat(outs, dim=1)
+    audited = torch.arange(0, 30, 4)
+    exact, _ = dense_attention(queries[:, audited], keys, values, make_geometry("dot", D))
+    errors = output_error(out[:, audited], exact).double()
+    report = memory.audit_report()
+    for head in range(2):
+        assert report[head]["audited"] == len(audited)
+        assert report[head]["err_median"] == pytest.approx(errors[head].quantile(0.5).item())
+        assert report[head]["err_p99"] == pytest.approx(errors[head].quantile(0.99).item())
+        assert report[head]["max_keys"] == int(memory._indexes[head].max_keys)
+    # The sharp head's answers are the worse ones, and each is a real error.
+    assert report[0]["err_p99"] > report[1]["err_p99"] > 0
+
+
+def test_a_head_whose_audit_misses_gets_pieces_of_half_the_size():
+    keys, values = _sharp_and_diffuse()
+    g = make_geometry("dot", D)
+    memory = _memory(keys, values, audit_every=2, audit_window=128)
+    queries = _queries(keys, 256)
+    memory.attend(queries)  # a full window of 128 errors per head
+    before = memory.audit_report()
+    assert before[0]["err_p99"] > AUDIT_TARGET >= before[1]["err_p99"]
+    default = int(KeyClusters.build(keys[0], values[0], g, probed_pieces=False).max_keys)
+    memory.wait_for_index()  # the sharp head's pieces cut again, on the build thread
+    report = memory.audit_report()
+    assert [row["max_keys"] for row in report] == [default // 2, default]
+    assert [row["audited"] for row in report] == [0, 128]  # the sharp head's errors forgotten
+    halved = KeyClusters.build(keys[0], values[0], g, max_cluster_keys=default // 2)
+    _assert_same(memory._indexes[0], halved)
+    _assert_same(memory._indexes[1], KeyClusters.build(keys[1], values[1], g, probed_pieces=False))
+    memory.attend(queries)  # the same rows audited again: the halved pieces err less
+    assert memory.audit_report()[0]["err_p99"] < 0.8 * before[0]["err_p99"]
+
+
+def test_no_head_is_cut_within_the_target_or_below_the_smallest_pieces():
+    keys, values = _sharp_and_diffuse()
+    queries = _queries(keys, 256)
+    within = _memory(keys, values, audit_every=2, audit_window=128, audit_target=10.0)
+    within.attend(queries)
+    within.wait_for_index()
+    built = [int(head.max_keys) for head in within._indexes]
+    assert [row["max_keys"] for row in within.audit_report()] == built
+    assert [row["audited"] for row in within.audit_report()] == [128, 128]
+    # A target no answer meets: each head is halved, one at a time, down to the smallest pieces.
+    strict = _memory(keys, values, audit_every=2, audit_window=128, audit_target=1e-12)
+    for _ in range(8):
+        strict.attend(queries)
+        strict.wait_for_index()
+    assert [int(head.max_keys) for head in strict._indexes] == [MIN_CLUSTER_KEYS] * 2
+    assert built[0] // 2 >= MIN_CLUSTER_KEYS  # so the strict memory did halve
+
+
+def test_appended_tokens_keep_the_size_the_audit_chose():
+    keys, values = _sharp_and_diffuse(2 * N + 300)  # appends past 2 N retrain the clusters
+    g = make_geometry("dot", D)
+    memory = _memory(keys[:, :N], values[:, :N], audit_every=2, audit_window=128)
+    memory.attend(_queries(keys[:, :N], 256))
+    memory.wait_for_index()
+    halved = int(memory._indexes[0].max_keys)
+    for start, end in ((N, N + 500), (N + 500, 2 * N + 300)):  # an extension, a retraining
+        memory.append(keys[:, start:end], values[:, start:end])
+        memory.wait_for_index()
+        assert int(memory._indexes[0].max_keys) == halved
+    whole = KeyClusters.build(keys[0], values[0], g, max_cluster_keys=halved, probed_pieces=False)
+    assert torch.equal(memory._indexes[0].order, whole.order)
+    _assert_same(memory._indexes[1], KeyClusters.build(keys[1], values[1], g, probed_pieces=False))
+
+
+def test_a_topk_memory_is_audited_and_never_cut():
+    keys, values = _sharp_and_diffuse()
+    memory = _memory(keys, values, mode="topk", audit_every=2, audit_window=128, audit_target=1e-12)
+    queries = _queries(keys, 256)
+    out, _ = memory.attend(queries)
+    exact, _ = dense_attention(queries[:, ::2], keys, values, make_geometry("dot", D))
+    report = memory.audit_report()
+    assert "max_keys" not in report[0]
+    for head in range(2):
+        errors = output_error(out[head, ::2], exact[head]).double()
+        assert report[head]["err_p99"] == pytest.approx(errors.quantile(0.99).item())
+    assert memory._extension is None
+
+
+def test_a_memory_without_audit_and_bad_audit_options_are_refused():
+    with pytest.raises(ValueError, match="no audit"):
+        LocalMemory(1, D).audit_report()
+    for options, message in (
+        ({"audit_every": -1}, "audit_every >= 0"),
+        ({"audit_every": 4, "audit_window": 0}, "window"),
+        ({"audit_target": 0.0}, "audit_target > 0"),
+        ({"audit_target": float("nan")}, "audit_target > 0"),
+        ({"audit_every": 4, "mode": "exact"}, "nothing to audit"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LocalMemory(1, D, **options)
+
+
+def test_a_cut_that_fails_is_raised_and_started_again(monkeypatch):
+    keys, values = _sharp_and_diffuse()
+    memory = _memory(keys, values, audit_every=2, audit_window=128)
+    queries = _queries(keys, 256)
+
+    def failing(*args):
+        raise RuntimeError("no memory for the cut")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(index_memory, "_recut", failing)
+        memory.attend(queries)  # a full window that misses: the cut starts, and fails
+        built = int(memory._indexes[0].max_keys)
+        with pytest.raises(RuntimeError, match="no memory for the cut"):
+            memory.wait_for_index()
+    assert int(memory._indexes[0].max_keys) == built  # the old pieces still answer
+    assert memory.audit_report()[0]["audited"] == 128
+    memory.attend(queries)  # still missing: the cut starts again
+    memory.wait_for_index()
+    assert int(memory._indexes[0].max_keys) == built // 2
