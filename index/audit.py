@@ -9,7 +9,7 @@ and the relative output error of the memory's answer is kept per head, the lates
 them. A head whose 99th percentile over a full window is above `target` is `missing`; the
 memory then cuts that head's pieces again at half the size (`LocalMemory`, tail mode).
 
-Auditing one row in `every` adds about 1/`every` of dense attention's work to a call; a 99th
+A call with audited rows reads every key and value once more (their dense attention); a 99th
 percentile over 512 errors rests on their 5 worst, so a head is judged only once its window is
 full."""
 
@@ -43,7 +43,7 @@ class Audit:
         the memory's life is a multiple of `every`); the call's rows count as seen."""
         first = -self._rows_seen % self.every
         self._rows_seen += m
-        return torch.arange(first, m, self.every)
+        return torch.arange(first, max(first, m), self.every)
 
     def record(self, errors: torch.Tensor) -> None:
         """Keep the audited rows' errors `(heads, r)`."""

@@ -62,6 +62,10 @@ def test_the_audited_rows_are_counted_over_the_memory_life():
     assert audit.rows(1).tolist() == []  # row 7
     assert audit.rows(10).tolist() == [0, 4, 8]  # rows 8, 12, 16
     assert audit.rows(3).tolist() == [2]  # row 20 of 18-20
+    one_by_one = Audit(heads=1, every=64)
+    assert [one_by_one.rows(1).tolist() for _ in range(130)] == (
+        [[0]] + [[]] * 63 + [[0]] + [[]] * 63 + [[0], []]
+    )
 
 
 def test_the_report_holds_the_errors_of_the_audited_answers():
