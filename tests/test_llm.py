@@ -403,6 +403,27 @@ def test_a_tail_memory_at_two_percent_keeps_the_argmax_of_full_attention(
         client.close()
 
 
+def test_local_memories_audit_the_model_queries_without_changing_the_answers(models, tokens):
+    """`local_memories(audit_every=...)`: every layer's memory audits the queries the model asks
+    (a kv head's grouped queries), and with a target no head misses it answers as without."""
+    model = models[1]
+    # exact_while_building=0: answers that never depend on when an extension ended
+    options = {"mode": "tail", "budget": 0.02, "open_segment": 0, "exact_while_building": 0}
+    with RewaCache(model.config, local_memories(**options)) as cache:
+        plain = _logits_with(model, tokens, cache)
+    audited = local_memories(**options, audit_every=8, audit_target=10.0)
+    with RewaCache(model.config, audited) as cache:
+        logits = _logits_with(model, tokens, cache)
+        reports = [layer.memory.audit_report() for layer in cache.memory_layers]
+    torch.testing.assert_close(logits, plain, rtol=0, atol=0)
+    assert len(reports) == model.config.num_hidden_layers
+    for report in reports:
+        assert len(report) == model.config.num_key_value_heads
+        for head in report:
+            assert head["audited"] > 0 and head["max_keys"] > 0
+            assert 0 < head["err_median"] <= head["err_p99"] < 1
+
+
 @pytest.mark.parametrize("where", ["local", "http"])
 def test_a_left_padded_batch_is_each_sequence_attended_alone(where, models, tokens, server):
     """A memory per sequence, holding its tokens without the padding: every sequence's logits
