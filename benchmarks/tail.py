@@ -45,11 +45,11 @@ more mode there:
   99th percentile passes 0.15 the head's pieces are cut again at half the size; the record
   gives the pieces' size before (`built_max_keys`) and after (`max_keys`), and tail's errors
   on those pieces afterwards, over the 1024 and the 16,384 queries.
- Each record: `{"dataset", "layer", "geometry",
-"mode", "head", "budget", "keys_read_frac", "err_median", "err_p99", "lse_abs_err_median",
-"seconds"}` (`layer` is null outside the text sets; seconds: the fastest of five runs after a
-warm-up, dense and every sparse setting of a head taking turns within each round; `build` is
-timed once).
+
+Each record: `{"dataset", "layer", "geometry", "mode", "head", "budget", "keys_read_frac",
+"err_median", "err_p99", "lse_abs_err_median", "seconds"}` (`layer` is null outside the text
+sets; seconds: the fastest of five runs after a warm-up, dense and every sparse setting of a
+head taking turns within each round; `build` is timed once).
 
     .venv/bin/python benchmarks/tail.py
     .venv/bin/python benchmarks/tail.py --datasets clustered --n 8192 --out /tmp/tail
@@ -219,7 +219,7 @@ def measure_head(
 
 def _measure_wide(
     records: list[dict], wide: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g, clusters
-) -> None:
+) -> torch.Tensor:
     """Add `wide_err_median`, `wide_err_p99` and `wide_queries` to the `tail` and `topk`
     records: their errors over every query of `wide` (the timed ones among them), not timed.
     Returns exact attention's outputs for `wide`."""
@@ -227,14 +227,18 @@ def _measure_wide(
     for record in records:
         if record["mode"] not in ("tail", "topk"):
             continue
-        options = {"budget": record["budget"], "tail": record["mode"] == "tail"}
-        out = torch.cat(
-            [tail_attention(chunk, clusters, **options)[0] for chunk in wide.split(WIDE_CHUNK)]
-        )
+        out = _wide_outputs(wide, clusters, budget=record["budget"], tail=record["mode"] == "tail")
         error = summary(output_error(out, reference))
         record |= {"wide_err_median": error["median"], "wide_err_p99": error["p99"]}
         record["wide_queries"] = wide.shape[0]
     return reference
+
+
+def _wide_outputs(wide: torch.Tensor, clusters: KeyClusters, **options) -> torch.Tensor:
+    """`tail_attention`'s outputs for the `wide` queries, `WIDE_CHUNK` per call."""
+    return torch.cat(
+        [tail_attention(chunk, clusters, **options)[0] for chunk in wide.split(WIDE_CHUNK)]
+    )
 
 
 def _audited(
@@ -254,13 +258,7 @@ def _audited(
         built = built or int(memory._indexes[0].max_keys)
         memory.wait_for_index()
     clusters = memory._indexes[0]
-    out = torch.cat(
-        [
-            tail_attention(chunk, clusters, budget=memory.budget)[0]
-            for chunk in wide.split(WIDE_CHUNK)
-        ]
-    )
-    errors = output_error(out, reference)
+    errors = output_error(_wide_outputs(wide, clusters, budget=memory.budget), reference)
     timed, everywhere = summary(errors[:N_QUERIES]), summary(errors)
     record = {**base, "mode": "audited", "budget": memory.budget, "audit_every": AUDIT_EVERY}
     record |= {"built_max_keys": built, "max_keys": int(clusters.max_keys)}
