@@ -255,6 +255,15 @@ def tail_section(records: list[dict]) -> str:
             "",
             *_text_table(records, "text-numpy"),
         ]
+    if any(r["dataset"] == "text-prose" for r in records):
+        lines += [
+            "",
+            "The same over the language reference's English text (`text-prose`, the stdlib's "
+            "`pydoc_data/topics.py`),",
+            "prose rather than code, also never chosen on:",
+            "",
+            *_text_table(records, "text-prose"),
+        ]
     if any(r["mode"] == "measured" for r in records):
         lines += [
             "",
@@ -270,9 +279,10 @@ def tail_section(records: list[dict]) -> str:
     if any(r["mode"] == "unprobed" for r in records):
         lines += [
             "",
-            "The heads whose pieces the probes halved (`probed_pieces`, the default: 512 of a "
-            "head's own keys, asked",
-            "as queries, show the estimate missing and halving mending it; see",
+            "The heads whose pieces the probes halved (`probed_pieces`, the default: a head's "
+            "own keys, asked as",
+            "queries (512 for a screen, then 4096), show the estimate missing and halving "
+            "mending it; see",
             'docs/indexes.md, "Pieces sized by probes"). Per head: tail on pieces of the '
             "default size (`unprobed`,",
             "`probed_pieces=False`) -> on the halved ones (`tail` above).",
@@ -312,7 +322,7 @@ def tail_section(records: list[dict]) -> str:
 
 # tail.py's MiniLM data sets (the keys of its TEXT_CORPORA; this script imports no benchmark), a
 # table per layer each.
-TEXT_SETS = ("text", "text-numpy")
+TEXT_SETS = ("text", "text-numpy", "text-prose")
 
 
 def _text_table(records: list[dict], dataset: str) -> list[str]:

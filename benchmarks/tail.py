@@ -8,10 +8,13 @@ N = 131072 keys, 1024 queries, no gradient, one process. Data sets:
   late ones diffuse heads (tens of thousands);
 - `text-numpy`: the same over numpy's sources (`text_data.CORPORA`), text that no default
   was chosen on: whether `text`'s results carry over to other text;
+- `text-prose`: the same over the language reference's English text (the stdlib's
+  `pydoc_data/topics.py`), prose rather than code, also never chosen on;
 - `clustered` and `tree` of `benchmarks/data.py` (one head, d = 64).
 
 Geometries: `dot` (scale 1/sqrt(d)), `sphere` and `poincare`; on `text`, the two others at
-layer 5 only (the model's own is the dot product), on `text-numpy` the dot product only.
+layer 5 only (the model's own is the dot product), on `text-numpy` and `text-prose` the dot
+product only.
 Each data set keeps its own geometry's temperature where it has one (`clustered`: dot; `tree`:
 Poincare, temperature 0.06); the other geometries use a softplus temperature of 0.1 and, for
 Poincare, queries and keys divided by the median key norm (raw MiniLM vectors have norms
@@ -97,7 +100,8 @@ ROUNDS = 5
 # `measured`: tail with `measured_queries` (index/tail/measured.py), an option, not the default.
 MEASURED_QUERIES = 32
 MEASURED_BUDGETS = (0.01, 0.02)
-TEXT_CORPORA = {"text": "stdlib", "text-numpy": "numpy"}  # data set -> `text_data` corpus
+# data set -> `text_data` corpus
+TEXT_CORPORA = {"text": "stdlib", "text-numpy": "numpy", "text-prose": "prose"}
 
 
 def heads(dataset: str, n: int, layers: list[int]):
@@ -276,15 +280,19 @@ def plot(records: list[dict], path: Path) -> None:
 
     texts = [name for name in TEXT_CORPORA if any(r["dataset"] == name for r in records)]
     others = sorted({r["dataset"] for r in records if r["dataset"] not in TEXT_CORPORA})
-    n_panels = 3 * len(texts) + len(others)
-    figure, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels + 1.5, 4.2), squeeze=False,
-                                layout="constrained")  # fmt: skip
-    panels = iter(axes[0])
+    # A row of three panels per MiniLM data set, then a row of the others, three to a row.
+    columns = 3 if texts else max(1, len(others))
+    n_rows = len(texts) + -(-len(others) // columns)
+    figure, axes = plt.subplots(n_rows, columns, figsize=(4.6 * columns + 1.5, 4.2 * n_rows),
+                                squeeze=False, layout="constrained")  # fmt: skip
+    panels = iter(axes.flat)
     for name in texts:
         text = [r for r in records if r["dataset"] == name and r["geometry"] == "dot"]
         _plot_text(text, name, next(panels), next(panels), next(panels))
     for dataset in others:
         _plot_dataset([r for r in records if r["dataset"] == dataset], dataset, next(panels))
+    for unused in panels:
+        unused.set_visible(False)
     figure.savefig(path, dpi=120)
 
 
@@ -354,7 +362,9 @@ def _plot_dataset(records: list[dict], dataset: str, axis) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--datasets", nargs="+", default=["text", "text-numpy", "clustered", "tree"]
+        "--datasets",
+        nargs="+",
+        default=["text", "text-numpy", "text-prose", "clustered", "tree"],
     )
     parser.add_argument("--geometries", nargs="+", default=GEOMETRIES)
     parser.add_argument("--n", type=int, default=131072)

@@ -5,7 +5,9 @@
 The sources of a corpus (`CORPORA`): `stdlib`, every `.py` file under the running interpreter's
 stdlib directory (`site-packages` excluded), the data set every benchmark uses; `numpy`, every
 `.py` file of the installed numpy package, a second corpus no default was chosen on, to check
-that results carry over to other text. Each corpus's files are sorted by path and
+that results carry over to other text; `prose`, the stdlib's `pydoc_data/topics.py`, the
+language reference's English text as string literals (about 183,000 tokens), a third corpus,
+of prose rather than code, also never chosen on. Each corpus's files are sorted by path and
 tokenised with the model's own tokenizer and cut into windows of 510 tokens; each window runs
 through the model as `[CLS] window [SEP]` (512 positions, the model's limit) and forward
 hooks on the chosen layer's query, key and value projections record every head's vectors for
@@ -30,7 +32,8 @@ CACHE_DIR = Path(__file__).resolve().parent / "cache"
 WINDOW = 510  # content tokens per window; with [CLS] and [SEP], the model's 512 positions
 BATCH = 8
 DEFAULT_LAYER = 5  # the last layer: its heads are the most uniformly diffuse
-CORPORA = ("stdlib", "numpy")
+CORPORA = ("stdlib", "numpy", "prose")
+PROSE_SOURCE = "topics.py"  # the one file of `prose`, under the stdlib's pydoc_data
 
 
 def corpus_root(corpus: str = "stdlib") -> Path:
@@ -41,12 +44,17 @@ def corpus_root(corpus: str = "stdlib") -> Path:
         import numpy
 
         return Path(numpy.__file__).resolve().parent
+    if corpus == "prose":
+        return Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data"
     raise ValueError(f"expected a corpus in {CORPORA}, got {corpus!r}")
 
 
 def corpus_sources(corpus: str = "stdlib") -> list[Path]:
-    """Every `.py` file of `corpus`, sorted, without site-packages (under the stdlib)."""
+    """Every `.py` file of `corpus`, sorted, without site-packages (under the stdlib); for
+    `prose`, its one file."""
     root = corpus_root(corpus)
+    if corpus == "prose":
+        return [root / PROSE_SOURCE]
     return sorted(
         path
         for path in root.rglob("*.py")

@@ -13,7 +13,7 @@ from rewa.index import KeyClusters, LocalMemory, tail_attention, tail_attention_
 from rewa.index.clusters import MIN_PROBED_KEYS
 from rewa.index.measures import output_error
 from rewa.index.tail import probe as probe_module
-from rewa.index.tail.probe import PROBE_QUERIES, probe_error
+from rewa.index.tail.probe import PROBE_QUERIES, SCREEN_QUERIES, probe_error, screen_error
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import Engine
 from rewa.service.settings import Settings
@@ -49,6 +49,7 @@ def test_a_sharp_head_gets_pieces_of_half_the_size_and_a_smaller_probe_error(dot
     default = KeyClusters.build(k, v, dot, probed_pieces=False)
     probed = KeyClusters.build(k, v, dot)
     assert int(probed.max_keys) == int(default.max_keys) // 2
+    assert screen_error(default) > probe_module.SCREEN_TOLERANCE
     assert probe_error(default) > probe_module.PROBE_TOLERANCE
     assert probe_error(probed) <= probe_module.PROBE_GAIN * probe_error(default)
     # The halved pieces are those a build asked for that size gives.
@@ -68,18 +69,50 @@ def test_a_sharp_head_gets_pieces_of_half_the_size_and_a_smaller_probe_error(dot
 def test_a_diffuse_head_keeps_the_default_pieces(dot):
     k, v = _head(MIN_PROBED_KEYS, scale=0.3)
     probed = KeyClusters.build(k, v, dot)
-    assert probe_error(probed) <= probe_module.PROBE_TOLERANCE
+    assert screen_error(probed) <= probe_module.SCREEN_TOLERANCE
     _assert_same(probed, KeyClusters.build(k, v, dot, probed_pieces=False))
 
 
-def test_halved_pieces_that_do_not_mend_the_error_are_not_kept(dot, monkeypatch):
+def test_a_head_past_the_screen_within_the_tolerance_keeps_the_default_pieces(dot, monkeypatch):
+    # The screen lets the sharp head through to the decision; a tolerance above its probe error
+    # keeps its pieces.
     k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    default = KeyClusters.build(k, v, dot, probed_pieces=False)
+    assert screen_error(default) > probe_module.SCREEN_TOLERANCE
+    monkeypatch.setattr(probe_module, "PROBE_TOLERANCE", probe_error(default) * 1.01)
+    _assert_same(KeyClusters.build(k, v, dot), default)
+
+
+def test_a_head_within_the_screen_is_not_probed_further(dot, monkeypatch):
+    calls = []
+    monkeypatch.setattr(probe_module, "probe_error", lambda *args: calls.append(1) or 1.0)
+    monkeypatch.setattr(probe_module, "SCREEN_TOLERANCE", 10.0)
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
+    assert calls == []
+
+
+def test_halved_pieces_that_do_not_mend_the_error_are_not_kept(dot, monkeypatch):
+    # Halving that does not mend the screen's error is not taken to the decision's probes.
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    calls = []
+    monkeypatch.setattr(probe_module, "probe_error", lambda *args: calls.append(1) or 1.0)
     monkeypatch.setattr(probe_module, "PROBE_GAIN", 0.0)
     _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
+    assert calls == []
+
+
+def test_halved_pieces_that_mend_the_screen_but_not_the_probes_are_not_kept(dot, monkeypatch):
+    k, v = _head(MIN_PROBED_KEYS, scale=2.0)
+    errors = iter([1.0, 0.9])  # the decision's probes: the halved pieces at 0.9 of the first
+    monkeypatch.setattr(probe_module, "probe_error", lambda *args: next(errors))
+    _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
+    assert next(errors, None) is None
 
 
 def test_small_contexts_and_explicit_sizes_are_not_probed(dot, monkeypatch):
     calls = []
+    monkeypatch.setattr(probe_module, "screen_error", lambda *args: calls.append(1) or 1.0)
     monkeypatch.setattr(probe_module, "probe_error", lambda *args: calls.append(1) or 1.0)
     k, v = _head(MIN_PROBED_KEYS - 1, scale=2.0)
     _assert_same(KeyClusters.build(k, v, dot), KeyClusters.build(k, v, dot, probed_pieces=False))
@@ -112,12 +145,19 @@ def test_the_probe_error_is_tail_attention_of_the_keys_as_queries(geometry):
     # The probes are key witnesses; a geometry whose witness map is not idempotent (Poincare)
     # must not map them twice.
     g = make_geometry(geometry, D).double()
-    k, v = _head(4096, scale=0.1)
+    k, v = _head(8192, scale=0.1)
     clusters = KeyClusters.build(g.witness(k), v, g)
-    rows = torch.linspace(0, len(k) - 1, PROBE_QUERIES).round().long()
-    result = tail_attention_with_reads(k[rows], clusters, budget=probe_module.PROBE_BUDGET)
-    error = output_error(result.out, dense_attention(k[rows], k, v, g)[0])
-    assert probe_error(clusters) == pytest.approx(error.quantile(0.95).item(), rel=1e-6)
+    assert torch.equal(probe_module.screen_probes(clusters), clusters.keys_w[
+        clusters.positions(torch.linspace(0, len(k) - 1, SCREEN_QUERIES).round().long())
+    ])  # fmt: skip
+    for count, quantile, measured in (
+        (SCREEN_QUERIES, 0.95, screen_error),
+        (PROBE_QUERIES, 0.99, probe_error),
+    ):
+        rows = torch.linspace(0, len(k) - 1, count).round().long()
+        result = tail_attention_with_reads(k[rows], clusters, budget=probe_module.PROBE_BUDGET)
+        error = output_error(result.out, dense_attention(k[rows], k, v, g)[0])
+        assert measured(clusters) == pytest.approx(error.quantile(quantile).item(), rel=1e-6)
 
 
 def test_a_local_memory_builds_and_extends_its_clusters_with_the_probes():
