@@ -248,22 +248,9 @@ def tail_section(records: list[dict]) -> str:
         "",
         *_text_table(records, "text"),
     ]
-    if any(r["dataset"] == "text-numpy" for r in records):
-        lines += [
-            "",
-            "The same over numpy's sources (`text-numpy`), text that no default was chosen on:",
-            "",
-            *_text_table(records, "text-numpy"),
-        ]
-    if any(r["dataset"] == "text-prose" for r in records):
-        lines += [
-            "",
-            "The same over the language reference's English text (`text-prose`, the stdlib's "
-            "`pydoc_data/topics.py`),",
-            "prose rather than code, also never chosen on:",
-            "",
-            *_text_table(records, "text-prose"),
-        ]
+    for dataset, intro in OTHER_TEXT_SETS.items():
+        if any(r["dataset"] == dataset for r in records):
+            lines += ["", *intro, "", *_text_table(records, dataset)]
     if any(r["mode"] == "measured" for r in records):
         lines += [
             "",
@@ -322,7 +309,18 @@ def tail_section(records: list[dict]) -> str:
 
 # tail.py's MiniLM data sets (the keys of its TEXT_CORPORA; this script imports no benchmark), a
 # table per layer each.
-TEXT_SETS = ("text", "text-numpy", "text-prose")
+# The text sets after `text`, each with the lines that introduce its table.
+OTHER_TEXT_SETS = {
+    "text-numpy": [
+        "The same over numpy's sources (`text-numpy`), text that no default was chosen on:"
+    ],
+    "text-prose": [
+        "The same over the language reference's English text (`text-prose`, the stdlib's "
+        "`pydoc_data/topics.py`),",
+        "prose rather than code, also never chosen on:",
+    ],
+}
+TEXT_SETS = ("text", *OTHER_TEXT_SETS)
 
 
 def _text_table(records: list[dict], dataset: str) -> list[str]:
