@@ -54,6 +54,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         open_segment=settings.open_segment,
         exact_while_building=settings.exact_while_building,
         probed_pieces=settings.probed_pieces,
+        audit_every=settings.audit_every,
+        audit_window=settings.audit_window,
+        audit_target=settings.audit_target,
         metrics=metrics,
     )
     batcher = Batcher(

@@ -22,10 +22,19 @@ prefix moves), which gives what a build over the whole version gives (docs/index
 A context's geometry is its spec's, built from a fixed seed, with the trained state the context
 carries (`GEOMETRY_STATE`) loaded over it. A multi-layer document is one context whose stored
 heads are its layers' heads, layer 0's first; `Engine.layer` gives one layer as a view whose
-indexes are slices of the document's (docs/llm.md)."""
+indexes are slices of the document's (docs/llm.md).
+
+With `audit_every`, one query row in that many of a non-causal sparse attend is also answered
+by exact dense attention, and the errors are kept per context, layer and head (`Audit`); a
+tail head whose 99th percentile passes `audit_target` gets pieces of half the size: the choice
+is kept in the store with the context (`AUDITED_PIECES`), so that every later build, extension
+and replica cuts that head's pieces so, and the newest cached version is cut again on the build
+thread (docs/service.md, "The audit")."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -54,12 +63,15 @@ from rewa.index import (
     exact_topk,
     index_from_bytes,
     index_to_bytes,
+    output_error,
     query_positions,
     retrieval_attention,
     sealed_keys,
     tail_attention_heads,
     window_and_sinks,
 )
+from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, Audit
+from rewa.index.clusters import MIN_CLUSTER_KEYS
 from rewa.index.growth import EXACT_WHILE_BUILDING
 from rewa.index.ivf_blocks import prepare_list_moments
 from rewa.index.tail.decode import compiled_step_applies
@@ -69,7 +81,14 @@ from .store import ContextRecord, ContextStore, Segment, stored_heads
 from .wire import FLOAT_DTYPES
 
 ContextKey = tuple[str, str, int]  # namespace, context id, version
+ContextId = tuple[str, str]  # namespace, context id
 MODES = ("tail", "topk")  # the modes that read an index
+# The store blob of a context's piece sizes chosen by the audit: {stored head: most keys}.
+AUDITED_PIECES = "audited-pieces.json"
+# Attend calls whose audited rows may wait for the audit thread; the rows of more are not audited.
+AUDITS_WAITING = 8
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -222,6 +241,9 @@ class Engine:
         open_segment: int = OPEN_SEGMENT,
         exact_while_building: int = EXACT_WHILE_BUILDING,
         probed_pieces: bool = True,
+        audit_every: int = 0,
+        audit_window: int = AUDIT_WINDOW,
+        audit_target: float = AUDIT_TARGET,
         metrics=None,
     ) -> None:
         sealed_keys(0, open_segment)  # a negative segment: ValueError
@@ -229,10 +251,18 @@ class Engine:
             raise ValueError(
                 f"expected exact_while_building >= 0 query-key pairs, got {exact_while_building}"
             )
+        if audit_every < 0:
+            raise ValueError(f"expected audit_every >= 0 (0: no audit), got {audit_every}")
+        if audit_window < 1:
+            raise ValueError(f"expected an audit window of >= 1 errors, got {audit_window}")
+        if not audit_target > 0:
+            raise ValueError(f"expected an audit_target > 0 (a relative error), got {audit_target}")
         self.store = store
         self.open_segment = open_segment
         self.exact_while_building = exact_while_building
         self.probed_pieces = probed_pieces
+        self.audit_every, self.audit_window = audit_every, audit_window
+        self.audit_target = audit_target
         self.device = device
         self.cache_bytes = cache_bytes
         self.store_indexes = store_indexes
@@ -241,9 +271,17 @@ class Engine:
         self._cache: OrderedDict[ContextKey, LoadedContext] = OrderedDict()
         self._lock = threading.Lock()
         self._builder = background_threads(1, "rewa-build")
+        # The audit: per (namespace, context id, layer) its errors, per context the cut under
+        # way; the audited rows' exact answers are computed on a thread of their own.
+        self._audits: dict[tuple[str, str, int], Audit] = {}
+        self._recuts: dict[ContextId, Future] = {}
+        self._auditor = background_threads(1, "rewa-audit")
+        self._audits_waiting = 0
 
     def close(self) -> None:
-        """Stop the build thread (a build under way finishes; queued ones are dropped)."""
+        """Stop the build and audit threads (the work under way finishes; queued work is
+        dropped)."""
+        self._auditor.shutdown(wait=True, cancel_futures=True)
         self._builder.shutdown(wait=True, cancel_futures=True)
 
     # -- loading and caching ----------------------------------------------------------------
@@ -384,10 +422,12 @@ class Engine:
             total -= dropped.nbytes
 
     def forget(self, namespace: str, context_id: str) -> None:
-        """Drop every cached version of a context (after a delete)."""
+        """Drop every cached version of a context and its audit (after a delete)."""
         with self._lock:
             for key in [key for key in self._cache if key[:2] == (namespace, context_id)]:
                 del self._cache[key]
+            for key in [key for key in self._audits if key[:2] == (namespace, context_id)]:
+                del self._audits[key]
 
     def cached_bytes(self) -> int:
         with self._lock:
@@ -509,14 +549,21 @@ class Engine:
         witness = loaded.geometry.witness
         new = slice(base.sealed, loaded.sealed)
         if mode == "tail":
-            return [
-                clusters.extend(
-                    witness(loaded.keys[head, new]),
-                    loaded.values[head, new],
-                    probed_pieces=self.probed_pieces,
+            chosen = self.audited_pieces(*loaded.key[:2])
+            extended = []
+            for head, clusters in enumerate(base.clusters):
+                size = chosen.get(head)
+                if size and int(clusters.max_keys) > size:  # chosen since these were cut
+                    extended.append(self._head_clusters(loaded, head, size))
+                    continue
+                extended.append(
+                    clusters.extend(
+                        witness(loaded.keys[head, new]),
+                        loaded.values[head, new],
+                        **self._cut_options(size),
+                    )
                 )
-                for head, clusters in enumerate(base.clusters)
-            ]
+            return extended
         spec = loaded.record["index"]
         options = dict(spec.get("options") or {})
         extended = []
@@ -531,31 +578,46 @@ class Engine:
         return extended
 
     def _build_clusters(self, loaded: LoadedContext) -> list[KeyClusters]:
-        """Per-head `KeyClusters` of the sealed keys (or loaded from the store); [] when no key
-        is sealed."""
+        """Per-head `KeyClusters` of the sealed keys (`_head_clusters`); [] when no key is
+        sealed."""
+        if not loaded.sealed:
+            return []
+        chosen = self.audited_pieces(*loaded.key[:2])
+        return [
+            self._head_clusters(loaded, head, chosen.get(head))
+            for head in range(loaded.keys.shape[0])
+        ]
+
+    def _head_clusters(self, loaded: LoadedContext, head: int, size: int | None) -> KeyClusters:
+        """One head's `KeyClusters` of the sealed keys, in pieces of at most `size` keys where
+        the audit chose a size (`_cut_options`), loaded from the store where a replica put
+        them, else built (and put there)."""
         namespace, context_id, version = loaded.key
-        built = []
         sealed = loaded.sealed
-        # Clusters built with `probed_pieces` (the default) and without are stored apart: a
-        # replica with the other setting would otherwise load them, and answer differently from
-        # its own build.
-        probed = "-probed" if self.probed_pieces else ""
-        for head in range(loaded.keys.shape[0] if sealed else 0):
-            name = f"clusters{KeyClusters.FORMAT}{probed}-v{version}-n{sealed}-h{head}.npz"
-            blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
-            if blob is not None:
-                built.append(KeyClusters.from_bytes(blob, loaded.geometry, self.device))
-                continue
-            clusters = KeyClusters.build(
-                loaded.geometry.witness(loaded.keys[head, :sealed]),
-                loaded.values[head, :sealed],
-                loaded.geometry,
-                probed_pieces=self.probed_pieces,
-            )
-            if self.store_indexes:
-                self.store.put_blob(namespace, context_id, name, clusters.to_bytes())
-            built.append(clusters)
-        return built
+        # Clusters built with `probed_pieces` (the default), without, and at a size the audit
+        # chose are stored apart: a replica with another setting would otherwise load them,
+        # and answer differently from its own build.
+        cut = f"-k{size}" if size else "-probed" if self.probed_pieces else ""
+        name = f"clusters{KeyClusters.FORMAT}{cut}-v{version}-n{sealed}-h{head}.npz"
+        blob = self.store.get_blob(namespace, context_id, name) if self.store_indexes else None
+        if blob is not None:
+            return KeyClusters.from_bytes(blob, loaded.geometry, self.device)
+        clusters = KeyClusters.build(
+            loaded.geometry.witness(loaded.keys[head, :sealed]),
+            loaded.values[head, :sealed],
+            loaded.geometry,
+            **self._cut_options(size),
+        )
+        if self.store_indexes:
+            self.store.put_blob(namespace, context_id, name, clusters.to_bytes())
+        return clusters
+
+    def _cut_options(self, size: int | None) -> dict:
+        """`KeyClusters.build`'s options for a head: pieces of at most `size` keys where the
+        audit chose a size, else the engine's `probed_pieces`."""
+        if size:
+            return {"max_cluster_keys": size, "probed_pieces": False}
+        return {"probed_pieces": self.probed_pieces}
 
     def _build_search(self, loaded: LoadedContext) -> list:
         """Per-head search indexes of the context's kind over the sealed keys (or loaded from
@@ -652,6 +714,8 @@ class Engine:
             if positions is None:  # bottom-right aligned, as dense attention's
                 positions = query_positions(q.shape[1], loaded.n_tokens, q.device)
             out, lse = self._sparse(loaded, q, params, positions, causal)
+            if self.audit_every and not causal:
+                self._audit(loaded, q, out, params.mode)
         result = AttendResult(out=out, lse=lse)
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
@@ -811,6 +875,151 @@ class Engine:
             ids = torch.nn.functional.pad(ids, pad, value=-1)
         logits, best = logits.topk(k, dim=-1)
         return logits, ids.gather(-1, best).masked_fill(logits == -torch.inf, -1)
+
+    # -- the audit ------------------------------------------------------------------------
+    #
+    # The audit measures the answers of the real queries, which the probes of a build cannot
+    # (docs/service.md, "The audit"). Each process judges the rows it answers; the piece sizes
+    # it chooses are kept in the store, so that every replica's builds follow them.
+
+    def _audit(self, loaded: LoadedContext, q: torch.Tensor, out: torch.Tensor, mode: str):
+        """Hand this call's audited rows (`Audit.rows`, counted per context and layer) to the
+        audit thread (`_judge`), so that the answer does not wait for their exact attention;
+        while `AUDITS_WAITING` calls' rows wait there, a call's rows are not audited (counted
+        as skipped)."""
+        layer = loaded.heads.start // loaded.record["heads"] if loaded.heads else 0
+        with self._lock:
+            audit = self._audits.get((*loaded.key[:2], layer))
+            if audit is None:
+                audit = Audit(loaded.keys.shape[0], self.audit_every, self.audit_window)
+                self._audits[(*loaded.key[:2], layer)] = audit
+            rows = audit.rows(q.shape[1]).to(q.device)
+            if len(rows) == 0:
+                return
+            if self._audits_waiting >= AUDITS_WAITING:
+                self._count("audits_skipped")
+                return
+            self._audits_waiting += 1
+        self._auditor.submit(self._judge, loaded, audit, q[:, rows], out[:, rows], mode)
+
+    def _judge(self, loaded, audit: Audit, q: torch.Tensor, out: torch.Tensor, mode: str):
+        """On the audit thread: the audited rows' exact answers over every key, their errors
+        kept, and in tail mode the first head whose audit misses cut again (`_cut_missing`)."""
+        try:
+            with torch.no_grad():
+                exact, _ = dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
+            errors = output_error(out, exact).cpu()
+            if self.metrics is not None:
+                self.metrics.audited(errors)
+            with self._lock:
+                audit.record(errors)
+                missing = audit.missing(self.audit_target) if mode == "tail" else []
+            if missing:
+                self._cut_missing(loaded, missing)
+        finally:
+            with self._lock:
+                self._audits_waiting -= 1
+
+    def wait_for_audits(self) -> None:
+        """Wait until the audited rows handed to the audit thread so far are judged."""
+        self._auditor.submit(lambda: None).result()
+
+    def _cut_missing(self, loaded: LoadedContext, heads: list[int]) -> None:
+        """The first of the layer's `heads` (missing their audit) whose pieces can be halved
+        gets pieces of half the size: chosen, and cut, on the build thread (`_cut_again`);
+        nothing while a cut of this context is under way, or while the version answering has
+        no clusters of its own (an earlier version's answered)."""
+        root = loaded.parent or loaded
+        context = root.key[:2]
+        first = loaded.heads.start if loaded.heads else 0
+        with self._lock:
+            under_way = self._recuts.get(context)
+            if not root.clusters or (under_way is not None and not under_way.done()):
+                return
+            for head in heads:
+                size = int(root.clusters[first + head].max_keys) // 2
+                if size >= MIN_CLUSTER_KEYS:
+                    self._recuts[context] = self._builder.submit(
+                        self._cut_again, context, first + head, size
+                    )
+                    return
+
+    def _cut_again(self, context: ContextId, head: int, size: int) -> None:
+        """On the build thread: keep in the store the choice of pieces of at most `size` keys
+        for the stored head `head`, then cut again, to the sizes chosen, the clusters of the
+        newest cached version that has them, in place in every cached version that shares
+        them (their answers change at once), and forget the errors of the heads cut (they
+        measured the pieces before). A failure is logged: the next audit that misses tries
+        again."""
+        try:
+            self._choose_pieces(context, head, size)
+            with self._lock:
+                versions = [
+                    loaded
+                    for key, loaded in self._cache.items()
+                    if key[:2] == context and loaded.clusters
+                ]
+            if not versions:
+                return
+            newest = max(versions, key=lambda loaded: loaded.key[2])
+            chosen = self.audited_pieces(*context)
+            old = newest.clusters
+            with torch.no_grad():
+                new = [
+                    self._head_clusters(newest, h, chosen[h])
+                    if chosen.get(h) and int(clusters.max_keys) > chosen[h]
+                    else clusters
+                    for h, clusters in enumerate(old)
+                ]
+                stacked = self._stacked(newest, new)
+            cut = [h for h in range(len(new)) if new[h] is not old[h]]
+            grown = sum(new[h].nbytes - old[h].nbytes for h in cut)
+            per_layer = newest.record["heads"]
+            with self._lock:
+                for loaded in self._cache.values():
+                    if loaded.clusters is old:
+                        loaded.clusters, loaded.layer_heads = new, stacked
+                        loaded.nbytes += grown
+                for h in cut:
+                    audit = self._audits.get((*context, h // per_layer))
+                    if audit is not None:
+                        audit.clear(h % per_layer)
+            if self.metrics is not None and cut:
+                self.metrics.audit_cuts.inc(len(cut))
+        except Exception:
+            logger.exception("the audit's cut of %s head %d failed", context, head)
+            raise
+
+    def audited_pieces(self, namespace: str, context_id: str) -> dict[int, int]:
+        """The piece sizes the audit chose for the context's stored heads (`AUDITED_PIECES`):
+        `{head: most keys}`, {} when none."""
+        blob = self.store.get_blob(namespace, context_id, AUDITED_PIECES)
+        return {int(head): int(size) for head, size in json.loads(blob or b"{}").items()}
+
+    def _choose_pieces(self, context: ContextId, head: int, size: int) -> None:
+        """Keep pieces of at most `size` keys for `head` in the store (the smaller, where a
+        replica chose one too)."""
+        chosen = self.audited_pieces(*context)
+        chosen[head] = min(size, chosen.get(head, size))
+        self.store.put_blob(*context, AUDITED_PIECES, json.dumps(chosen).encode())
+
+    def audit_report(self, namespace: str, record: ContextRecord) -> list[dict] | None:
+        """Per stored head (layer 0's first): the errors this process audited (`Audit.report`)
+        and `max_keys`, the most keys of the pieces of the cached version's clusters (None
+        when none is cached); None without an audit."""
+        if not self.audit_every:
+            return None
+        with self._lock:
+            loaded = self._cache.get((namespace, record["id"], record["version"]))
+            clusters = loaded.clusters if loaded is not None else None
+            per_layer = record["heads"]
+            report = []
+            for layer in range(record.get("layers", 1)):
+                audit = self._audits.get((namespace, record["id"], layer))
+                report += audit.report() if audit else Audit(per_layer, 1, 1).report()
+        for head, row in enumerate(report):
+            row["max_keys"] = int(clusters[head].max_keys) if clusters else None
+        return report
 
     @torch.no_grad()
     def search(

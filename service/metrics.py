@@ -12,6 +12,7 @@ from prometheus_client import (
 )
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+ERROR_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
@@ -83,6 +84,23 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.audit_errors = Histogram(
+            "rewa_audit_error",
+            "relative output error of an audited answer against exact attention "
+            "(REWA_AUDIT_EVERY), one per head and audited query",
+            buckets=ERROR_BUCKETS,
+            registry=self.registry,
+        )
+        self.audit_cuts = Counter(
+            "rewa_audit_cuts",
+            "tail heads whose pieces were cut again at a size the audit chose",
+            registry=self.registry,
+        )
+        self.audits_skipped = Counter(
+            "rewa_audits_skipped",
+            "attend calls whose audited rows were not audited: the audit thread was behind",
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "rewa_rejected",
             "requests refused with 429: queue_full (REWA_QUEUE_SIZE), wait_timeout "
@@ -100,6 +118,13 @@ class Metrics:
             self.cache.labels("extended").inc()
         elif name == "attends_while_building":
             self.attends_while_building.inc()
+        elif name == "audits_skipped":
+            self.audits_skipped.inc()
+
+    def audited(self, errors) -> None:
+        """Observe the audited errors (a tensor of any shape)."""
+        for error in errors.flatten().tolist():
+            self.audit_errors.observe(error)
 
     def index_build(self, kind: str, seconds: float) -> None:
         self.build_seconds.labels(kind).observe(seconds)

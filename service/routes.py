@@ -734,7 +734,8 @@ async def get_index_state(
     """What this replica holds of the context's latest version (loaded, indexes built)."""
     record = await _stored(store.get, namespace, context_id)
     state = engine.index_state(namespace, record)
-    return IndexState(context_id=context_id, version=record["version"], **state)
+    audit = engine.audit_report(namespace, record)
+    return IndexState(context_id=context_id, version=record["version"], audit=audit, **state)
 
 
 @router.post(
@@ -767,7 +768,10 @@ async def build_index(
         await _await_builds(builds)
     seconds = time.perf_counter() - start
     state = engine.index_state(namespace, record)
-    return IndexState(context_id=context_id, version=record["version"], seconds=seconds, **state)
+    audit = engine.audit_report(namespace, record)
+    return IndexState(
+        context_id=context_id, version=record["version"], seconds=seconds, audit=audit, **state
+    )
 
 
 @router.delete(

@@ -106,6 +106,19 @@ class ContextInfo(BaseModel):
 IndexMode = Literal["tail", "topk"]
 
 
+class AuditedHead(BaseModel):
+    """One stored head's audit on this replica (`REWA_AUDIT_EVERY`; docs/service.md, "The
+    audit"): `audited`, the errors kept (at most `REWA_AUDIT_WINDOW`), their median and 99th
+    percentile (None while none is kept), each the relative output error `||out - exact|| /
+    ||exact||` of one audited query's answer, and `max_keys`, the most keys of the pieces of the
+    cached version's tail clusters (None when they are not built)."""
+
+    audited: int
+    err_median: float | None = None
+    err_p99: float | None = None
+    max_keys: int | None = None
+
+
 class IndexState(BaseModel):
     """What this replica holds of a context's latest version: whether it is loaded on the
     device, which modes have their index built (`tail`: the clusters; `topk`: the search
@@ -114,7 +127,8 @@ class IndexState(BaseModel):
     attends read the keys no built index covers exactly (docs/indexes.md, "Builds in the
     background"). `seconds`: the time this request waited for the builds. `sealed_tokens`: the
     leading tokens the indexes hold once built (every full segment of `REWA_OPEN_SEGMENT`
-    tokens); the others are read exactly by every query."""
+    tokens); the others are read exactly by every query. `audit`: per stored head (a
+    document's layer 0 first), what this replica's audit measured; None when it is off."""
 
     context_id: str
     version: int
@@ -123,6 +137,7 @@ class IndexState(BaseModel):
     building: list[IndexMode] = []
     sealed_tokens: int | None = None
     seconds: float | None = None
+    audit: list[AuditedHead] | None = None
 
 
 class IndexBuildRequest(Strict):

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW
 from rewa.index.growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT
 
 MIB = 1 << 20
@@ -54,6 +55,19 @@ class Settings(BaseSettings):
         True,
         description="tail indexes: a head's pieces halved where its own keys, asked as queries, "
         "show the estimate missing and halving mending it",
+    )
+    audit_every: int = Field(
+        0,
+        ge=0,
+        description="one query row in that many of a non-causal tail or topk attend also "
+        "answered exactly, its error kept per head; a tail head whose 99th percentile passes "
+        "REWA_AUDIT_TARGET gets pieces of half the size; 0: no audit",
+    )
+    audit_window: int = Field(
+        AUDIT_WINDOW, ge=1, description="the latest audited errors kept per head and judged"
+    )
+    audit_target: float = Field(
+        AUDIT_TARGET, gt=0, description="the audited 99th percentile a tail head stays within"
     )
     sparse_threads: int = Field(
         1,

@@ -78,10 +78,16 @@ def test_the_report_holds_the_errors_of_the_audited_answers():
     exact, _ = dense_attention(queries[:, audited], keys, values, make_geometry("dot", D))
     errors = output_error(out[:, audited], exact).double()
     report = memory.audit_report()
+    # The memory computes the exact answers in calls of other rows (float32 sums in another
+    # order): the errors agree to about 1e-7.
     for head in range(2):
         assert report[head]["audited"] == len(audited)
-        assert report[head]["err_median"] == pytest.approx(errors[head].quantile(0.5).item())
-        assert report[head]["err_p99"] == pytest.approx(errors[head].quantile(0.99).item())
+        assert report[head]["err_median"] == pytest.approx(
+            errors[head].quantile(0.5).item(), abs=1e-6
+        )
+        assert report[head]["err_p99"] == pytest.approx(
+            errors[head].quantile(0.99).item(), abs=1e-6
+        )
         assert report[head]["max_keys"] == int(memory._indexes[head].max_keys)
     # The sharp head's answers are the worse ones, and each is a real error.
     assert report[0]["err_p99"] > report[1]["err_p99"] > 0
