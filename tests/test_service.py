@@ -458,7 +458,7 @@ def test_a_commit_builds_the_index_in_the_background_and_a_client_can_wait_for_i
             time.sleep(0.05)
         assert state == {"context_id": context["id"], "version": committed["version"],
                          "loaded": True, "built": ["tail"], "building": [],
-                         "sealed_tokens": 2048, "seconds": None}  # fmt: skip
+                         "sealed_tokens": 2048, "seconds": None, "audit": None}  # fmt: skip
         # Waiting for another mode: the request answers once it is built.
         response = client.post(url, json={"modes": ["topk", "tail"]})
         assert response.status_code == 200, response.text
