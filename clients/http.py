@@ -233,6 +233,7 @@ class IndexState(TypedDict):
     building: list[str]
     sealed_tokens: int | None
     seconds: float | None
+    audit: list[dict[str, Any]] | None
 
 
 class UploadInfo(TypedDict):
@@ -329,7 +330,8 @@ class _Operations:
 
     def index_state(self, context_id: str) -> Operation[IndexState]:
         """What the replica that answers holds of the latest version: `{"loaded", "built",
-        "building", "sealed_tokens"}` (modes built, modes being built)."""
+        "building", "sealed_tokens", "audit"}` (modes built, modes being built; per head what
+        its audit measured, None when it does not audit)."""
         response = yield _Request("GET", f"/v1/contexts/{context_id}/index")
         return response.json()
 

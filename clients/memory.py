@@ -29,7 +29,8 @@ class RemoteMemory(nn.Module):
 
     It has the interface of the in-process `rewa.index.LocalMemory`: `append(keys, values)`
     commits tokens (one new version of the context; the service extends its indexes), `n_tokens`,
-    and `close()`, which deletes the context when this memory created it (`RemoteMemory.create`).
+    `audit_report()` (the service's audit) and `close()`, which deletes the context when this
+    memory created it (`RemoteMemory.create`).
 
     The remote keys and values are constants and no gradient flows through the HTTP call: the
     outputs are detached. Use it where the memory is read, not trained."""
@@ -113,6 +114,16 @@ class RemoteMemory(nn.Module):
         wait for in `exact` mode or while the context is empty."""
         if self.mode != "exact" and self.n_tokens > 0:
             self.client.build_index(self.context_id, [self.mode])
+
+    def audit_report(self) -> list[dict]:
+        """Per head, what the audit of the replica that answers measured of this context
+        (`REWA_AUDIT_EVERY`; docs/service.md, "The audit"), as `LocalMemory.audit_report`:
+        `audited`, `err_median`, `err_p99` and `max_keys`. ValueError when the service does not
+        audit."""
+        audit = self.client.index_state(self.context_id).get("audit")
+        if audit is None:
+            raise ValueError("the service does not audit: run it with REWA_AUDIT_EVERY >= 1")
+        return audit
 
     def close(self) -> None:
         """Delete the context if this memory created it; otherwise leave it."""

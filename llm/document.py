@@ -93,6 +93,18 @@ class RemoteDocument:
             parts.append(exact_part(queries, keys, values, self.shape[3]))
         return merge_attention(*parts)
 
+    def audit_report(self, layer: int) -> list[dict]:
+        """The heads of layer `layer` in the audit of the replica that answers
+        (`RemoteMemory.audit_report`). ValueError when the service does not audit or the
+        document holds nothing yet."""
+        if self.context_id is None:
+            raise ValueError("the document holds nothing yet: nothing was audited")
+        audit = self.client.index_state(self.context_id).get("audit")
+        if audit is None:
+            raise ValueError("the service does not audit: run it with REWA_AUDIT_EVERY >= 1")
+        heads, position = self.shape[0], self.layers.index(layer)
+        return audit[position * heads : (position + 1) * heads]
+
     def close(self) -> None:
         """Delete the document (once) and forget what is staged."""
         if self.context_id is not None:
@@ -119,6 +131,9 @@ class DocumentLayer:
 
     def attend(self, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.document.attend(self.layer, queries)
+
+    def audit_report(self) -> list[dict]:
+        return self.document.audit_report(self.layer)
 
     def close(self) -> None:
         self.document.close()

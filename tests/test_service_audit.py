@@ -16,9 +16,11 @@ import torch
 from pydantic import ValidationError
 
 from rewa.attention import dense_attention, make_geometry
+from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, tail_attention_heads
 from rewa.index.audit import AUDIT_TARGET
 from rewa.index.measures import output_error
+from rewa.llm import RemoteDocument
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import AUDITED_PIECES, AUDITS_WAITING, AttendParams, Engine
 from rewa.service.metrics import Metrics
@@ -281,9 +283,11 @@ def test_replicas_on_redis_share_the_choice_and_report_their_audits():
     queries = _queries(keys, 256)
     prefix = redis_prefix()
     shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "open_segment": 0}
-    auditor = Server(**shared, audit_every=2, audit_window=128).start()
-    other = Server(**shared, audit_every=4, audit_window=64, audit_target=100).start()
+    auditor = Server(**shared, audit_every=2, audit_window=128)
+    other = Server(**shared, audit_every=4, audit_window=64, audit_target=100)
+    plain = Server(**shared)
     try:
+        auditor.start(), other.start()
         with auditor.client() as a, other.client() as b:
             context = create_context(a)
             upload(a, context["id"], keys, values)
@@ -304,9 +308,25 @@ def test_replicas_on_redis_share_the_choice_and_report_their_audits():
             state = _polled(b, context["id"], lambda audit: audit[0]["audited"] > 0)
             assert [row["audited"] for row in state["audit"]] == [64, 64]
             assert "rewa_audit_error_count 128.0" in b.get("/metrics").text
+            with Client(other.url) as client:  # the memory's view of the same
+                assert RemoteMemory(client, context["id"]).audit_report() == state["audit"]
+                # A multi-layer document's layers report their own heads.
+                document = RemoteDocument(client, [0, 1], budget=0.02)
+                layers = [document.memory(layer, 2, D, D, 1.0) for layer in (0, 1)]
+                for layer in layers:
+                    layer.append(keys, values)  # committed once both layers spilled
+                layers[1].attend(queries[:, :16])
+                state = _polled(b, document.context_id, lambda audit: audit[2]["audited"] > 0)
+                assert [row["audited"] for row in state["audit"]] == [0, 0, 4, 4]
+                assert layers[1].audit_report() == state["audit"][2:]
+                assert layers[0].audit_report() == state["audit"][:2]
+        # A replica that does not audit: the memory says so.
+        plain.start()
+        with Client(plain.url) as client, pytest.raises(ValueError, match="does not audit"):
+            RemoteMemory(client, context["id"]).audit_report()
     finally:
-        auditor.kill()
-        other.kill()
+        for server in (auditor, other, plain):
+            server.kill()
         drop_prefix(prefix)
 
 
