@@ -904,7 +904,8 @@ class Engine:
 
     def _judge(self, loaded, audit: Audit, q: torch.Tensor, out: torch.Tensor, mode: str):
         """On the audit thread: the audited rows' exact answers over every key, their errors
-        kept, and in tail mode the first head whose audit misses cut again (`_cut_missing`)."""
+        kept, and in tail mode the first head whose audit misses cut again (`_cut_missing`).
+        A failure is logged (the answers were sent; these rows go unaudited)."""
         try:
             with torch.no_grad():
                 exact, _ = dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
@@ -916,6 +917,8 @@ class Engine:
                 missing = audit.missing(self.audit_target) if mode == "tail" else []
             if missing:
                 self._cut_missing(loaded, missing)
+        except Exception:
+            logger.exception("the audit of %s failed", loaded.key)
         finally:
             with self._lock:
                 self._audits_waiting -= 1

@@ -21,6 +21,7 @@ from rewa.index import KeyClusters, tail_attention_heads
 from rewa.index.audit import AUDIT_TARGET
 from rewa.index.measures import output_error
 from rewa.llm import RemoteDocument
+from rewa.service import engine as engine_module
 from rewa.service.embedded_store import EmbeddedStore
 from rewa.service.engine import AUDITED_PIECES, AUDITS_WAITING, AttendParams, Engine
 from rewa.service.metrics import Metrics
@@ -257,6 +258,30 @@ def test_answers_do_not_wait_for_the_audit_and_rows_beyond_its_queue_are_skipped
         assert report[head]["err_p99"] == pytest.approx(
             errors[head].quantile(0.99).item(), abs=1e-6
         )
+
+
+def test_an_audit_that_fails_is_logged_and_the_next_rows_are_audited(monkeypatch, caplog):
+    keys, values = _sharp_and_diffuse()
+    store = EmbeddedStore()
+    record = _commit(store, "c", keys, values)
+    engine = _engine(store, audit_every=1, audit_target=100.0)
+    loaded = engine.context("ns", record)
+    queries = _queries(keys, 2)
+
+    def failing(*args):
+        raise RuntimeError("no memory for the audit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_module, "output_error", failing)
+        answer = engine.attend(loaded, queries[:, :1], TAIL)["out"]
+        engine.wait_for_audits()
+    assert "the audit of ('ns', 'c', 1) failed" in caplog.text
+    assert "no memory for the audit" in caplog.text
+    assert answer.isfinite().all()  # the answer was given all the same
+    assert [row["audited"] for row in engine.audit_report("ns", record)] == [0, 0]
+    engine.attend(loaded, queries[:, 1:], TAIL)
+    engine.wait_for_audits()
+    assert [row["audited"] for row in engine.audit_report("ns", record)] == [1, 1]
 
 
 def test_bad_audit_options_are_refused():
