@@ -743,13 +743,32 @@ def service_section(records: list[dict]) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in records:
-        if r["mode"] == "upload":
+        if r["mode"] in ("upload", "audit"):
             continue
         lines.append(
             f"| {r['mode']} | {'on' if r['batching'] else 'off'} | {r['clients']} | "
             f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | {r['requests_per_s']:.0f} | "
             f"{r['server_cpu_ms_per_request']:.1f} ms | {r['client_cpu_ms_per_request']:.1f} ms |"
         )
+    audited = [r for r in records if r["mode"] == "audit"]
+    if audited:
+        lines += [
+            "",
+            'The audit\'s cost (docs/service.md, "The audit"): tail requests, batching on, '
+            f"{audited[0]['requests'] // audited[0]['clients']} per client, against two more "
+            "servers, one auditing and one not, loaded in turn per client count.",
+            "",
+            "| audit | clients | p50 / p99 | requests/s | server CPU | rows audited | calls "
+            "skipped |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in audited:
+            every = f"1 in {r['audit_every']}" if r["audit_every"] else "off"
+            lines.append(
+                f"| {every} | {r['clients']} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | "
+                f"{r['requests_per_s']:.0f} | {r['server_cpu_ms_per_request']:.1f} ms | "
+                f"{r['audited_rows']} | {r['skipped_calls']} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -12,6 +12,13 @@ warm-up; latency is per request as the client sees it. Records: `{"mode", "clien
 over the measured requests, divided by their number) plus one `{"mode": "upload", "seconds",
 "tokens", "bytes"}`, in `benchmarks/results/service.json`, and a PNG.
 
+The audit's cost (docs/service.md, "The audit"): two more servers with batching over the same
+directory, one with `REWA_AUDIT_EVERY=64` and one without, are loaded in turn, client count by
+client count, with `AUDIT_REQUESTS` tail requests per client (enough for audited rows at one in
+64; `--audit-requests`); records `{"mode": "audit", "audit_every", "clients", "requests", ...,
+"audited_rows", "skipped_calls"}` (the rows the audit answered exactly during the measurement,
+and the calls whose rows it skipped, from the server's index state and metrics).
+
     .venv/bin/python benchmarks/service.py
     .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
     .venv/bin/python benchmarks/service.py --sparse-threads 2 --out /tmp/service-2-threads
@@ -42,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADS, DIM = 8, 64
 CHUNK_TOKENS = 8192
 CLIENT_COUNTS = [1, 8, 32]
+AUDIT_EVERY = 64  # the audit measured: one query row in this many (docs/service.md)
+AUDIT_REQUESTS = 128  # tail requests per client in the audit's measurement
 
 
 def free_port() -> int:
@@ -198,8 +207,60 @@ def load(
     }
 
 
+def audit_counts(url: str, context_id: str) -> tuple[int, int]:
+    """`(rows audited so far of head 0, calls whose rows were skipped)` of a server."""
+    with httpx.Client(base_url=url, timeout=60) as client:
+        state = client.get(f"/v1/contexts/{context_id}/index").raise_for_status().json()
+        metrics = client.get("/metrics").raise_for_status().text
+    skipped = [
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("rewa_audits_skipped_total ")
+    ]
+    return state["audit"][0]["audited"] if state["audit"] else 0, int(sum(skipped))
+
+
+def run_audit(
+    data_dir: str,
+    context_id: str,
+    sparse_threads: int | None,
+    client_counts: list[int],
+    requests: int,
+) -> list[dict]:
+    """`requests` tail requests per client against a server auditing one row in `AUDIT_EVERY`
+    and one not, in turn per client count (module docstring)."""
+    records = []
+    servers = {
+        every: start_server(data_dir, True, sparse_threads, {"REWA_AUDIT_EVERY": str(every)})
+        for every in (0, AUDIT_EVERY)
+    }
+    try:
+        for process, url in servers.values():
+            wait_for_index(url, context_id)
+            load(url, context_id, 1, 3, False, process.pid)
+        for clients in client_counts:
+            for every, (process, url) in servers.items():
+                before = audit_counts(url, context_id)
+                measured = load(url, context_id, clients, requests, False, process.pid)
+                after = audit_counts(url, context_id)
+                record = {"mode": "audit", "audit_every": every, "clients": clients}
+                record |= {"requests": requests * clients, **measured}
+                record["audited_rows"] = after[0] - before[0]
+                record["skipped_calls"] = after[1] - before[1]
+                records.append(record)
+                print(json.dumps(record), flush=True)
+    finally:
+        for process, _ in servers.values():
+            stop_server(process)
+    return records
+
+
 def run(
-    tokens: int, requests: int, sparse_threads: int | None, client_counts: list[int]
+    tokens: int,
+    requests: int,
+    sparse_threads: int | None,
+    client_counts: list[int],
+    audit_requests: int = AUDIT_REQUESTS,
 ) -> list[dict]:
     records = []
     with tempfile.TemporaryDirectory(prefix="rewa-bench-") as data_dir:
@@ -229,6 +290,7 @@ def run(
                         print(json.dumps(record), flush=True)
             finally:
                 stop_server(process)
+        records += run_audit(data_dir, context_id, sparse_threads, client_counts, audit_requests)
     return records
 
 
@@ -249,6 +311,12 @@ def plot(records: list[dict], path: Path) -> None:
             clients = [r["clients"] for r in rows]
             left.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
             right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
+    for every in sorted({r["audit_every"] for r in records if r["mode"] == "audit"}):
+        rows = [r for r in records if r["mode"] == "audit" and r["audit_every"] == every]
+        label = f"tail, audit {'off' if not every else f'1 in {every}'} (their own run)"
+        clients = [r["clients"] for r in rows]
+        left.plot(clients, [r["requests_per_s"] for r in rows], "--", marker="x", label=label)
+        right.plot(clients, [r["p99_ms"] for r in rows], "--", marker="x", label=label)
     for axis, title in ((left, "throughput (requests/s)"), (right, "p99 latency (ms)")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("concurrent clients")
@@ -271,8 +339,16 @@ def main() -> None:
     parser.add_argument(
         "--clients", type=int, nargs="+", default=CLIENT_COUNTS, help="concurrent clients"
     )
+    parser.add_argument(
+        "--audit-requests",
+        type=int,
+        default=AUDIT_REQUESTS,
+        help="per client, in the audit's measurement",
+    )
     args = parser.parse_args()
-    records = run(args.tokens, args.requests, args.sparse_threads, args.clients)
+    records = run(
+        args.tokens, args.requests, args.sparse_threads, args.clients, args.audit_requests
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "service.json").write_text(json.dumps(records, indent=1))
     plot(records, args.out / "service.png")

@@ -222,9 +222,11 @@ def test_hierarchy_benchmark_writes_records_and_a_plot(tmp_path):
 
 def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     records = run_benchmark(
-        "service", tmp_path, "--tokens", "2048", "--requests", "2", "--clients", "1", "8"
-    )
-    upload, *loads = records
+        "service", tmp_path, "--tokens", "2048", "--requests", "2", "--clients", "1", "8",
+        "--audit-requests", "64",
+    )  # fmt: skip
+    audits = [r for r in records if r["mode"] == "audit"]
+    upload, *loads = [r for r in records if r["mode"] != "audit"]
     assert upload["mode"] == "upload" and upload["tokens"] == 2048
     assert upload["bytes"] == 2 * 8 * 2048 * 64 * 4
     keys = {"mode", "clients", "batching", "exact", "p50_ms", "p99_ms", "requests_per_s"}
@@ -239,6 +241,14 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
         (c, b, e) for c in (1, 8) for b in (True, False) for e in (True, False)
     }
     assert all(r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0 for r in loads)
+    # The audit's measurement: each client count against the server without and with it.
+    assert [(r["clients"], r["audit_every"]) for r in audits] == [(1, 0), (1, 64), (8, 0), (8, 64)]
+    assert [r["requests"] for r in audits] == [64, 64, 512, 512]
+    for r in audits:
+        assert r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0
+        # One query row per request: at most one audited row in 64 (fewer where skipped).
+        assert (r["audited_rows"] == 0) if r["audit_every"] == 0 else (r["audited_rows"] > 0)
+        assert r["audited_rows"] <= r["requests"] // 64 + 1 and r["skipped_calls"] >= 0
     assert (tmp_path / "service.png").stat().st_size > 10_000
 
 
