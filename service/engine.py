@@ -1019,7 +1019,8 @@ class Engine:
             report = []
             for layer in range(record.get("layers", 1)):
                 audit = self._audits.get((namespace, record["id"], layer))
-                report += audit.report() if audit else Audit(per_layer, 1, 1).report()
+                # A layer not audited yet reports as a fresh audit does: nothing kept.
+                report += (audit or Audit(per_layer, self.audit_every)).report()
         for head, row in enumerate(report):
             row["max_keys"] = int(clusters[head].max_keys) if clusters else None
         return report
