@@ -21,6 +21,9 @@ import torch
 
 AUDIT_WINDOW = 512  # the latest errors kept per head; a head is judged on a full window
 AUDIT_TARGET = 0.15  # the 99th percentile of the relative output error a head should stay within
+# Calls whose audited rows may wait for an audit thread (`LocalMemory` then waits for the oldest;
+# the service's engine leaves the rows unaudited).
+AUDITS_WAITING = 8
 
 
 class Audit:

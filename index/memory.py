@@ -24,7 +24,8 @@ attends read the clusters they had and every later token exactly, unless that is
 depend on when an extension ended). `wait_for_index` waits for it (docs/indexes.md, "Builds
 in the background"). The first index of a memory is built in the attend that needs it.
 
-With `audit_every`, one query row in that many is also answered exactly and the error of the
+With `audit_every`, one query row in that many is also answered exactly, on an audit thread
+(one for every memory of the process; the call does not wait for it), and the error of the
 memory's answer kept per head (`audit.py`, `audit_report`); a tail head whose 99th percentile
 of them passes `audit_target` has its pieces cut again at half the size, on the build thread
 (docs/indexes.md, "The audit")."""
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
@@ -40,7 +42,7 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
-from .audit import AUDIT_TARGET, AUDIT_WINDOW, Audit
+from .audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit
 from .clusters import MIN_CLUSTER_KEYS, ClusterHeads, KeyClusters, check_clusterable
 from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
 from .measures import output_error
@@ -59,7 +61,18 @@ def _builder() -> ThreadPoolExecutor:
     return background_threads(1, "rewa-memory-build")
 
 
-os.register_at_fork(after_in_child=_builder.cache_clear)
+@functools.cache
+def _auditor() -> ThreadPoolExecutor:
+    """The thread that answers every memory's audited rows exactly (`_exact_errors`)."""
+    return background_threads(1, "rewa-memory-audit")
+
+
+def _clear_threads() -> None:
+    _builder.cache_clear()
+    _auditor.cache_clear()
+
+
+os.register_at_fork(after_in_child=_clear_threads)
 
 
 class LocalMemory:
@@ -139,6 +152,7 @@ class LocalMemory:
         self.probed_pieces = probed_pieces
         self.audit_target = audit_target
         self._audit = Audit(heads, audit_every, audit_window) if audit_every else None
+        self._audits_under_way: deque[Future] = deque()  # audited rows' errors, on the audit thread
         # tail: the heads whose pieces the audit cut again -> their pieces' most keys, which
         # extensions and retrainings keep
         self._audited_keys: dict[int, int] = {}
@@ -223,7 +237,8 @@ class LocalMemory:
             )
         out, lse = merge_attention(*parts) if len(parts) > 1 else parts[0]
         if self._audit is not None:
-            self._audit_answers(q, out)
+            self._take_audits()
+            self._start_audit(q, out)
         return out, lse
 
     __call__ = attend
@@ -235,21 +250,39 @@ class LocalMemory:
         ||exact||` of one audited query row's answer."""
         if self._audit is None:
             raise ValueError("this memory has no audit: construct it with audit_every >= 1")
+        self._take_audits(wait=True)
         report = self._audit.report()
         if self.mode == "tail":
             for head, row in enumerate(report):
                 row["max_keys"] = int(self._indexes[head].max_keys) if self._indexes else 0
         return report
 
-    def _audit_answers(self, q: torch.Tensor, out: torch.Tensor) -> None:
-        """Answer this call's audited rows (`Audit.rows`) exactly, keep their errors, and, in
-        tail mode, start cutting again the first head whose audit misses (unless an extension
-        is under way: then a later attend does)."""
+    def _start_audit(self, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Hand this call's audited rows (`Audit.rows`) to the audit thread, which answers them
+        exactly over the tokens held now (`_exact_errors`); the call does not wait for it,
+        unless `AUDITS_WAITING` calls' rows are waiting there already (then for the oldest)."""
         rows = self._audit.rows(q.shape[1]).to(q.device)
         if len(rows) == 0:
             return
-        exact, _ = dense_attention(q[:, rows], self.keys, self.values, self.geometry)
-        self._audit.record(output_error(out[:, rows], exact))
+        while len(self._audits_under_way) >= AUDITS_WAITING:
+            self._take_audit()
+        self._audits_under_way.append(
+            _auditor().submit(
+                _exact_errors, q[:, rows], out[:, rows], self.keys, self.values, self.geometry
+            )
+        )
+
+    def _take_audits(self, wait: bool = False) -> None:
+        """Keep the errors of the audits done (with `wait`, of every one handed over), in the
+        order of their calls."""
+        while self._audits_under_way and (wait or self._audits_under_way[0].done()):
+            self._take_audit()
+
+    def _take_audit(self) -> None:
+        """Keep the errors of the oldest audit handed over (waiting for it), and, in tail mode,
+        start cutting again the first head whose audit misses (unless an extension is under
+        way: then a later call does)."""
+        self._audit.record(self._audits_under_way.popleft().result())
         if self.mode != "tail" or not self._indexes or self._extension is not None:
             return
         for head in self._audit.missing(self.audit_target):
@@ -264,9 +297,12 @@ class LocalMemory:
                 return
 
     def wait_for_index(self) -> None:
-        """Wait until the index holds every sealed token: for the extension under way, then
-        for the index of what was sealed meanwhile (built or extended now; its error, if it
-        fails). Nothing to wait for in `exact` mode."""
+        """Wait until the index holds every sealed token: for the audits handed over (a cut
+        one of them starts), for the extension under way, then for the index of what was
+        sealed meanwhile (built or extended now; its error, if it fails). Nothing to wait for
+        in `exact` mode."""
+        if self._audit is not None:
+            self._take_audits(wait=True)
         self._finish_extension()
         if self.mode != "exact" and self._n_tokens > 0:
             self._current_indexes()  # starts (tail) or makes (topk) what is missing
@@ -283,6 +319,7 @@ class LocalMemory:
         finishes on the build thread and is dropped."""
         self._extension, self._extending_to, self._recutting = None, 0, None
         self._audited_keys = {}
+        self._audits_under_way.clear()  # audits under way finish on the audit thread, unread
         if self._audit is not None:
             self._audit = Audit(self.heads, self._audit.every, self._audit.window)
         self._key_buffer = self._key_buffer[:, :0]
@@ -380,6 +417,17 @@ def _build_options(head: int, probed_pieces: bool, audited_keys: dict[int, int])
     if head in audited_keys:
         return {"max_cluster_keys": audited_keys[head], "probed_pieces": False}
     return {"probed_pieces": probed_pieces}
+
+
+def _exact_errors(
+    q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, geometry
+) -> torch.Tensor:
+    """On the audit thread: the relative errors `(heads, r)` of the answers `out` to the
+    audited query rows `q` against exact attention over `keys` and `values` (the tokens held
+    when they were answered: appends write after them)."""
+    with torch.no_grad():
+        exact, _ = dense_attention(q, keys, values, geometry)
+        return output_error(out, exact)
 
 
 def _recut(

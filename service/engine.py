@@ -70,7 +70,7 @@ from rewa.index import (
     tail_attention_heads,
     window_and_sinks,
 )
-from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, Audit
+from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit
 from rewa.index.clusters import MIN_CLUSTER_KEYS
 from rewa.index.growth import EXACT_WHILE_BUILDING
 from rewa.index.ivf_blocks import prepare_list_moments
@@ -85,8 +85,6 @@ ContextId = tuple[str, str]  # namespace, context id
 MODES = ("tail", "topk")  # the modes that read an index
 # The store blob of a context's piece sizes chosen by the audit: {stored head: most keys}.
 AUDITED_PIECES = "audited-pieces.json"
-# Attend calls whose audited rows may wait for the audit thread; the rows of more are not audited.
-AUDITS_WAITING = 8
 
 logger = logging.getLogger(__name__)
 

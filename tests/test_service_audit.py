@@ -18,12 +18,12 @@ from pydantic import ValidationError
 from rewa.attention import dense_attention, make_geometry
 from rewa.clients import Client, RemoteMemory
 from rewa.index import KeyClusters, tail_attention_heads
-from rewa.index.audit import AUDIT_TARGET
+from rewa.index.audit import AUDIT_TARGET, AUDITS_WAITING
 from rewa.index.measures import output_error
 from rewa.llm import RemoteDocument
 from rewa.service import engine as engine_module
 from rewa.service.embedded_store import EmbeddedStore
-from rewa.service.engine import AUDITED_PIECES, AUDITS_WAITING, AttendParams, Engine
+from rewa.service.engine import AUDITED_PIECES, AttendParams, Engine
 from rewa.service.metrics import Metrics
 from rewa.service.settings import Settings
 from tests.service_support import (
