@@ -451,7 +451,8 @@ def test_a_replica_on_redis_cluster_serves_contexts_spread_over_its_nodes():
         with Client(server.url) as client:
             assert client.ready()
             contexts = [client.create_context(2, 16, index={"kind": "ivf", "top_k": 32})]
-            contexts += [client.create_context(2, 16) for _ in range(5)]
+            # Twelve contexts of random ids: all on one of the three nodes once in 3^11.
+            contexts += [client.create_context(2, 16) for _ in range(11)]
             # Several chunks and pieces, one transactional commit, indexes stored as blobs.
             client.upload(contexts[0]["id"], keys, values, chunk_tokens=700)
             exact = client.attend(contexts[0]["id"], queries, mode="exact")
