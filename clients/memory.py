@@ -120,10 +120,7 @@ class RemoteMemory(nn.Module):
         (`REWA_AUDIT_EVERY`; docs/service.md, "The audit"), as `LocalMemory.audit_report`:
         `audited`, `err_median`, `err_p99` and `max_keys`. ValueError when the service does not
         audit."""
-        audit = self.client.index_state(self.context_id).get("audit")
-        if audit is None:
-            raise ValueError("the service does not audit: run it with REWA_AUDIT_EVERY >= 1")
-        return audit
+        return context_audit(self.client, self.context_id)
 
     def close(self) -> None:
         """Delete the context if this memory created it; otherwise leave it."""
@@ -134,6 +131,15 @@ class RemoteMemory(nn.Module):
 
     def extra_repr(self) -> str:
         return f"context_id={self.context_id!r}, mode={self.mode!r}, url={self.client.url!r}"
+
+
+def context_audit(client: Client, context_id: str) -> list[dict]:
+    """Per stored head of a context, what the audit of the replica that answers measured
+    (`index_state`'s `audit`). ValueError when the service does not audit."""
+    audit = client.index_state(context_id).get("audit")
+    if audit is None:
+        raise ValueError("the service does not audit: run it with REWA_AUDIT_EVERY >= 1")
+    return audit
 
 
 class ShardedMemory(nn.Module):

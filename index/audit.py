@@ -19,6 +19,11 @@ from collections import deque
 
 import torch
 
+from rewa.attention import Geometry, dense_attention
+
+from .clusters import MIN_CLUSTER_KEYS
+from .measures import output_error
+
 AUDIT_WINDOW = 512  # the latest errors kept per head; a head is judged on a full window
 AUDIT_TARGET = 0.15  # the 99th percentile of the relative output error a head should stay within
 # Calls whose audited rows may wait for an audit thread (`LocalMemory` then waits for the oldest;
@@ -65,6 +70,15 @@ class Audit:
             if len(kept) == self.window and _quantile(kept, 0.99) > target
         ]
 
+    def to_halve(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
+        """`(head, size)`: the first head `missing` the target whose pieces of at most
+        `max_keys[head]` keys can be halved (to `MIN_CLUSTER_KEYS` or more), and the half;
+        None when there is none."""
+        for head in self.missing(target):
+            if max_keys[head] // 2 >= MIN_CLUSTER_KEYS:
+                return head, max_keys[head] // 2
+        return None
+
     def report(self) -> list[dict]:
         """Per head: `audited` (errors kept), and their `err_median` and `err_p99` (None while
         none is kept)."""
@@ -76,6 +90,16 @@ class Audit:
             }
             for kept in self._errors
         ]
+
+
+def audited_errors(
+    q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, geometry: Geometry
+) -> torch.Tensor:
+    """The relative errors `(heads, r)` of the answers `out` to the audited query rows `q`
+    against exact attention over `keys` and `values` (every token the answers read)."""
+    with torch.no_grad():
+        exact, _ = dense_attention(q, keys, values, geometry)
+        return output_error(out, exact)
 
 
 def _quantile(values: deque, q: float) -> float:

@@ -42,10 +42,9 @@ import torch
 
 from rewa.attention import Geometry, dense_attention, make_geometry, merge_attention
 
-from .audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit
-from .clusters import MIN_CLUSTER_KEYS, ClusterHeads, KeyClusters, check_clusterable
+from .audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit, audited_errors
+from .clusters import ClusterHeads, KeyClusters, check_clusterable
 from .growth import EXACT_WHILE_BUILDING, OPEN_SEGMENT, appended, sealed_keys
-from .measures import output_error
 from .retrieval import build_index, retrieval_attention
 from .tail import tail_attention_heads
 from .tail.threads import background_threads
@@ -63,7 +62,7 @@ def _builder() -> ThreadPoolExecutor:
 
 @functools.cache
 def _auditor() -> ThreadPoolExecutor:
-    """The thread that answers every memory's audited rows exactly (`_exact_errors`)."""
+    """The thread that answers every memory's audited rows exactly (`audited_errors`)."""
     return background_threads(1, "rewa-memory-audit")
 
 
@@ -259,8 +258,9 @@ class LocalMemory:
 
     def _start_audit(self, q: torch.Tensor, out: torch.Tensor) -> None:
         """Hand this call's audited rows (`Audit.rows`) to the audit thread, which answers them
-        exactly over the tokens held now (`_exact_errors`); the call does not wait for it,
-        unless `AUDITS_WAITING` calls' rows are waiting there already (then for the oldest)."""
+        exactly over the tokens held now (`audited_errors`; appends write after them); the
+        call does not wait for it, unless `AUDITS_WAITING` calls' rows are waiting there
+        already (then for the oldest)."""
         rows = self._audit.rows(q.shape[1]).to(q.device)
         if len(rows) == 0:
             return
@@ -268,7 +268,7 @@ class LocalMemory:
             self._take_audit()
         self._audits_under_way.append(
             _auditor().submit(
-                _exact_errors, q[:, rows], out[:, rows], self.keys, self.values, self.geometry
+                audited_errors, q[:, rows], out[:, rows], self.keys, self.values, self.geometry
             )
         )
 
@@ -285,16 +285,17 @@ class LocalMemory:
         self._audit.record(self._audits_under_way.popleft().result())
         if self.mode != "tail" or not self._indexes or self._extension is not None:
             return
-        for head in self._audit.missing(self.audit_target):
-            max_keys = int(self._indexes[head].max_keys) // 2
-            if max_keys >= MIN_CLUSTER_KEYS:
-                keys = self.geometry.witness(self._key_buffer[head, : self._indexed])
-                self._extension = _builder().submit(
-                    _recut, self._indexes, head, keys, self._value_buffer[head, : self._indexed],
-                    self.geometry, max_keys,
-                )  # fmt: skip
-                self._extending_to, self._recutting = self._indexed, head
-                return
+        halving = self._audit.to_halve(
+            self.audit_target, [int(index.max_keys) for index in self._indexes]
+        )
+        if halving is not None:
+            head, max_keys = halving
+            keys = self.geometry.witness(self._key_buffer[head, : self._indexed])
+            self._extension = _builder().submit(
+                _recut, self._indexes, head, keys, self._value_buffer[head, : self._indexed],
+                self.geometry, max_keys,
+            )  # fmt: skip
+            self._extending_to, self._recutting = self._indexed, head
 
     def wait_for_index(self) -> None:
         """Wait until the index holds every sealed token: for the audits handed over (a cut
@@ -417,17 +418,6 @@ def _build_options(head: int, probed_pieces: bool, audited_keys: dict[int, int])
     if head in audited_keys:
         return {"max_cluster_keys": audited_keys[head], "probed_pieces": False}
     return {"probed_pieces": probed_pieces}
-
-
-def _exact_errors(
-    q: torch.Tensor, out: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, geometry
-) -> torch.Tensor:
-    """On the audit thread: the relative errors `(heads, r)` of the answers `out` to the
-    audited query rows `q` against exact attention over `keys` and `values` (the tokens held
-    when they were answered: appends write after them)."""
-    with torch.no_grad():
-        exact, _ = dense_attention(q, keys, values, geometry)
-        return output_error(out, exact)
 
 
 def _recut(

@@ -19,6 +19,7 @@ import torch
 
 from rewa.attention import merge_attention
 from rewa.clients import Client
+from rewa.clients.memory import context_audit
 
 from .exact import exact_part
 
@@ -95,14 +96,12 @@ class RemoteDocument:
 
     def audit_report(self, layer: int) -> list[dict]:
         """The heads of layer `layer` in the audit of the replica that answers
-        (`RemoteMemory.audit_report`). ValueError when the service does not audit or the
-        document holds nothing yet."""
+        (`context_audit`). ValueError when the service does not audit or the document holds
+        nothing yet."""
         if self.context_id is None:
             raise ValueError("the document holds nothing yet: nothing was audited")
-        audit = self.client.index_state(self.context_id).get("audit")
-        if audit is None:
-            raise ValueError("the service does not audit: run it with REWA_AUDIT_EVERY >= 1")
         heads, position = self.shape[0], self.layers.index(layer)
+        audit = context_audit(self.client, self.context_id)
         return audit[position * heads : (position + 1) * heads]
 
     def close(self) -> None:

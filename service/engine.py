@@ -63,15 +63,13 @@ from rewa.index import (
     exact_topk,
     index_from_bytes,
     index_to_bytes,
-    output_error,
     query_positions,
     retrieval_attention,
     sealed_keys,
     tail_attention_heads,
     window_and_sinks,
 )
-from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit
-from rewa.index.clusters import MIN_CLUSTER_KEYS
+from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit, audited_errors
 from rewa.index.growth import EXACT_WHILE_BUILDING
 from rewa.index.ivf_blocks import prepare_list_moments
 from rewa.index.tail.decode import compiled_step_applies
@@ -886,11 +884,13 @@ class Engine:
         while `AUDITS_WAITING` calls' rows wait there, a call's rows are not audited (counted
         as skipped)."""
         layer = loaded.heads.start // loaded.record["heads"] if loaded.heads else 0
+        key = (*loaded.key[:2], layer)
         with self._lock:
-            audit = self._audits.get((*loaded.key[:2], layer))
+            audit = self._audits.get(key)
             if audit is None:
-                audit = Audit(loaded.keys.shape[0], self.audit_every, self.audit_window)
-                self._audits[(*loaded.key[:2], layer)] = audit
+                audit = self._audits[key] = Audit(
+                    loaded.keys.shape[0], self.audit_every, self.audit_window
+                )
             rows = audit.rows(q.shape[1]).to(q.device)
             if len(rows) == 0:
                 return
@@ -905,16 +905,13 @@ class Engine:
         kept, and in tail mode the first head whose audit misses cut again (`_cut_missing`).
         A failure is logged (the answers were sent; these rows go unaudited)."""
         try:
-            with torch.no_grad():
-                exact, _ = dense_attention(q, loaded.keys, loaded.values, loaded.geometry)
-            errors = output_error(out, exact).cpu()
+            errors = audited_errors(q, out, loaded.keys, loaded.values, loaded.geometry).cpu()
             if self.metrics is not None:
                 self.metrics.audited(errors)
             with self._lock:
                 audit.record(errors)
-                missing = audit.missing(self.audit_target) if mode == "tail" else []
-            if missing:
-                self._cut_missing(loaded, missing)
+            if mode == "tail":
+                self._cut_missing(loaded, audit)
         except Exception:
             logger.exception("the audit of %s failed", loaded.key)
         finally:
@@ -925,25 +922,25 @@ class Engine:
         """Wait until the audited rows handed to the audit thread so far are judged."""
         self._auditor.submit(lambda: None).result()
 
-    def _cut_missing(self, loaded: LoadedContext, heads: list[int]) -> None:
-        """The first of the layer's `heads` (missing their audit) whose pieces can be halved
-        gets pieces of half the size: chosen, and cut, on the build thread (`_cut_again`);
-        nothing while a cut of this context is under way, or while the version answering has
-        no clusters of its own (an earlier version's answered)."""
+    def _cut_missing(self, loaded: LoadedContext, audit: Audit) -> None:
+        """The layer's first head whose audit misses and whose pieces can be halved
+        (`Audit.to_halve`) gets pieces of half the size: chosen, and cut, on the build thread
+        (`_cut_again`); nothing while a cut of this context is under way, or while the version
+        answering has no clusters of its own (an earlier version's answered)."""
         root = loaded.parent or loaded
         context = root.key[:2]
-        first = loaded.heads.start if loaded.heads else 0
+        heads = loaded.heads or slice(0, len(root.clusters or []))
         with self._lock:
             under_way = self._recuts.get(context)
             if not root.clusters or (under_way is not None and not under_way.done()):
                 return
-            for head in heads:
-                size = int(root.clusters[first + head].max_keys) // 2
-                if size >= MIN_CLUSTER_KEYS:
-                    self._recuts[context] = self._builder.submit(
-                        self._cut_again, context, first + head, size
-                    )
-                    return
+            max_keys = [int(clusters.max_keys) for clusters in root.clusters[heads]]
+            halving = audit.to_halve(self.audit_target, max_keys)
+            if halving is not None:
+                head, size = halving
+                self._recuts[context] = self._builder.submit(
+                    self._cut_again, context, heads.start + head, size
+                )
 
     def _cut_again(self, context: ContextId, head: int, size: int) -> None:
         """On the build thread: keep in the store the choice of pieces of at most `size` keys
@@ -953,7 +950,7 @@ class Engine:
         measured the pieces before). A failure is logged: the next audit that misses tries
         again."""
         try:
-            self._choose_pieces(context, head, size)
+            chosen = self._choose_pieces(context, head, size)
             with self._lock:
                 versions = [
                     loaded
@@ -963,7 +960,6 @@ class Engine:
             if not versions:
                 return
             newest = max(versions, key=lambda loaded: loaded.key[2])
-            chosen = self.audited_pieces(*context)
             old = newest.clusters
             with torch.no_grad():
                 new = [
@@ -997,12 +993,13 @@ class Engine:
         blob = self.store.get_blob(namespace, context_id, AUDITED_PIECES)
         return {int(head): int(size) for head, size in json.loads(blob or b"{}").items()}
 
-    def _choose_pieces(self, context: ContextId, head: int, size: int) -> None:
+    def _choose_pieces(self, context: ContextId, head: int, size: int) -> dict[int, int]:
         """Keep pieces of at most `size` keys for `head` in the store (the smaller, where a
-        replica chose one too)."""
+        replica chose one too); the context's choices now (`audited_pieces`)."""
         chosen = self.audited_pieces(*context)
         chosen[head] = min(size, chosen.get(head, size))
         self.store.put_blob(*context, AUDITED_PIECES, json.dumps(chosen).encode())
+        return chosen
 
     def audit_report(self, namespace: str, record: ContextRecord) -> list[dict] | None:
         """Per stored head (layer 0's first): the errors this process audited (`Audit.report`)

@@ -246,9 +246,12 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
     assert [r["requests"] for r in audits] == [64, 64, 512, 512]
     for r in audits:
         assert r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0
-        # One query row per request: at most one audited row in 64 (fewer where skipped).
-        assert (r["audited_rows"] == 0) if r["audit_every"] == 0 else (r["audited_rows"] > 0)
-        assert r["audited_rows"] <= r["requests"] // 64 + 1 and r["skipped_calls"] >= 0
+        # One query row per request: at most one audited row in 64 (fewer where skipped); the
+        # server that does not audit answers none exactly and skips none.
+        if r["audit_every"] == 0:
+            assert r["audited_rows"] == 0 and r["skipped_calls"] == 0
+        else:
+            assert 0 < r["audited_rows"] <= r["requests"] // 64 + 1
     assert (tmp_path / "service.png").stat().st_size > 10_000
 
 

@@ -66,6 +66,15 @@ def _engine(store, **options) -> Engine:
                   **options)  # fmt: skip
 
 
+def _audited(**options):
+    """test_audit.py's two heads committed as the context "c" of a new store, an engine over it
+    (`_engine(store, **options)`) and the loaded context: `(keys, values, engine, loaded)`."""
+    keys, values = _sharp_and_diffuse()
+    store = EmbeddedStore()
+    engine = _engine(store, **options)
+    return keys, values, engine, engine.context("ns", _commit(store, "c", keys, values))
+
+
 def _default_clusters(keys, values) -> KeyClusters:
     return KeyClusters.build(keys, values, GEOMETRY, probed_pieces=False)
 
@@ -81,11 +90,8 @@ def _wait_for_cut(engine: Engine, name: str = "c") -> None:
 
 
 def test_a_tail_head_whose_audit_misses_is_cut_and_the_choice_kept_in_the_store():
-    keys, values = _sharp_and_diffuse()
-    store = EmbeddedStore()
-    record = _commit(store, "c", keys, values)
-    engine = _engine(store, audit_every=2, audit_window=128)
-    loaded = engine.context("ns", record)
+    keys, values, engine, loaded = _audited(audit_every=2, audit_window=128)
+    record = loaded.record
     queries = _queries(keys, 256)
     out = engine.attend(loaded, queries, TAIL)["out"]  # a full window of 128 errors per head
     exact, _ = dense_attention(queries[:, ::2], keys, values, GEOMETRY)
@@ -186,11 +192,8 @@ def test_the_layers_of_a_document_are_audited_apart():
 
 
 def test_topk_is_audited_and_never_cut_causal_attends_are_not_audited():
-    keys, values = _sharp_and_diffuse()
-    store = EmbeddedStore()
-    record = _commit(store, "c", keys, values)
-    engine = _engine(store, audit_every=2, audit_window=128, audit_target=1e-12)
-    loaded = engine.context("ns", record)
+    keys, values, engine, loaded = _audited(audit_every=2, audit_window=128, audit_target=1e-12)
+    store, record = engine.store, loaded.record
     queries = _queries(keys, 256)
     out = engine.attend(loaded, queries, TOPK)["out"]
     exact, _ = dense_attention(queries[:, ::2], keys, values, GEOMETRY)
@@ -209,11 +212,8 @@ def test_topk_is_audited_and_never_cut_causal_attends_are_not_audited():
 
 
 def test_a_cut_that_fails_keeps_the_old_pieces_and_is_tried_again(monkeypatch):
-    keys, values = _sharp_and_diffuse()
-    store = EmbeddedStore()
-    record = _commit(store, "c", keys, values)
-    engine = _engine(store, audit_every=2, audit_window=128)
-    loaded = engine.context("ns", record)
+    keys, values, engine, loaded = _audited(audit_every=2, audit_window=128)
+    store = engine.store
     queries = _queries(keys, 256)
     default = _default_pieces(keys[0], values[0])
     with monkeypatch.context() as patch:
@@ -233,12 +233,9 @@ def test_a_cut_that_fails_keeps_the_old_pieces_and_is_tried_again(monkeypatch):
 
 
 def test_answers_do_not_wait_for_the_audit_and_rows_beyond_its_queue_are_skipped():
-    keys, values = _sharp_and_diffuse()
-    store = EmbeddedStore()
-    record = _commit(store, "c", keys, values)
     metrics = Metrics()
-    engine = _engine(store, audit_every=1, audit_target=100.0, metrics=metrics)
-    loaded = engine.context("ns", record)
+    keys, values, engine, loaded = _audited(audit_every=1, audit_target=100.0, metrics=metrics)
+    record = loaded.record
     queries = _queries(keys, 11)
     release = threading.Event()
     engine._auditor.submit(release.wait)  # the audit thread held
@@ -261,18 +258,15 @@ def test_answers_do_not_wait_for_the_audit_and_rows_beyond_its_queue_are_skipped
 
 
 def test_an_audit_that_fails_is_logged_and_the_next_rows_are_audited(monkeypatch, caplog):
-    keys, values = _sharp_and_diffuse()
-    store = EmbeddedStore()
-    record = _commit(store, "c", keys, values)
-    engine = _engine(store, audit_every=1, audit_target=100.0)
-    loaded = engine.context("ns", record)
+    keys, _, engine, loaded = _audited(audit_every=1, audit_target=100.0)
+    record = loaded.record
     queries = _queries(keys, 2)
 
     def failing(*args):
         raise RuntimeError("no memory for the audit")
 
     with monkeypatch.context() as patch:
-        patch.setattr(engine_module, "output_error", failing)
+        patch.setattr(engine_module, "audited_errors", failing)
         answer = engine.attend(loaded, queries[:, :1], TAIL)["out"]
         engine.wait_for_audits()
     assert "the audit of ('ns', 'c', 1) failed" in caplog.text
