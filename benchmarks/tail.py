@@ -46,8 +46,10 @@ more mode there:
 - `audited` (2 %, not timed): a `LocalMemory` of the head with `audit_every=16`
   (index/audit.py, an option) attends the 16,384 queries, 1024 per call; where the audit's
   99th percentile passes 0.15 the head's pieces are cut again at half the size; the record
-  gives the pieces' size before (`built_max_keys`) and after (`max_keys`), and tail's errors
-  on those pieces afterwards, over the 1024 and the 16,384 queries.
+  gives the pieces' size before (`built_max_keys`) and after (`max_keys`), the queries
+  answered when the audit first cut them (`first_cut_queries`, null: never), and tail's errors
+  on those pieces afterwards, over the 1024 and the 16,384 queries. `--audited-only` measures
+  these records again and keeps the others of the JSON.
 
 Each record: `{"dataset", "layer", "geometry", "mode", "head", "budget", "keys_read_frac",
 "err_median", "err_p99", "lse_abs_err_median", "seconds"}` (`layer` is null outside the text
@@ -227,7 +229,7 @@ def _measure_wide(
     """Add `wide_err_median`, `wide_err_p99` and `wide_queries` to the `tail` and `topk`
     records: their errors over every query of `wide` (the timed ones among them), not timed.
     Returns exact attention's outputs for `wide`."""
-    reference = torch.cat([dense_attention(chunk, k, v, g)[0] for chunk in wide.split(WIDE_CHUNK)])
+    reference = _exact_wide(wide, k, v, g)
     for record in records:
         if record["mode"] not in ("tail", "topk"):
             continue
@@ -236,6 +238,11 @@ def _measure_wide(
         record |= {"wide_err_median": error["median"], "wide_err_p99": error["p99"]}
         record["wide_queries"] = wide.shape[0]
     return reference
+
+
+def _exact_wide(wide: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g) -> torch.Tensor:
+    """Exact attention's outputs for the `wide` queries, `WIDE_CHUNK` per call."""
+    return torch.cat([dense_attention(chunk, k, v, g)[0] for chunk in wide.split(WIDE_CHUNK)])
 
 
 def _wide_outputs(wide: torch.Tensor, clusters: KeyClusters, **options) -> torch.Tensor:
@@ -251,25 +258,49 @@ def _audited(
     """The `audited` record: a `LocalMemory` of the head (dot product, defaults) with an audit
     of one query in `AUDIT_EVERY` attends the `wide` queries, `N_QUERIES` per call, each call
     waiting for a re-cut the audit started; then the errors of tail at the memory's budget over
-    the pieces the audit left, on the timed queries and on all of `wide` (not timed)."""
+    the pieces the audit left, on the timed queries and on all of `wide` (not timed), and the
+    queries the memory had answered when the audit first cut the head (None: never)."""
     memory = LocalMemory(
         1, k.shape[-1], value_dim=v.shape[-1], open_segment=0, audit_every=AUDIT_EVERY
     )
     memory.append(k[None], v[None])
-    built = None
-    for chunk in wide.split(N_QUERIES):
+    built = first_cut = None
+    for answered, chunk in enumerate(wide.split(N_QUERIES), start=1):
         memory.attend(chunk[None])
         built = built or int(memory._indexes[0].max_keys)
         memory.wait_for_index()
+        if first_cut is None and int(memory._indexes[0].max_keys) != built:
+            first_cut = answered * N_QUERIES
     clusters = memory._indexes[0]
     errors = output_error(_wide_outputs(wide, clusters, budget=memory.budget), reference)
     timed, everywhere = summary(errors[:N_QUERIES]), summary(errors)
     record = {**base, "mode": "audited", "budget": memory.budget, "audit_every": AUDIT_EVERY}
     record |= {"built_max_keys": built, "max_keys": int(clusters.max_keys)}
+    record["first_cut_queries"] = first_cut
     record |= {"err_median": timed["median"], "err_p99": timed["p99"]}
     record |= {"wide_err_median": everywhere["median"], "wide_err_p99": everywhere["p99"]}
     record["wide_queries"] = wide.shape[0]
     return record
+
+
+def rerun_audited(records: list[dict], n: int, layers: list[int]) -> list[dict]:
+    """`records` with their `audited` records measured again (they are not timed, so they do
+    not depend on the machine's speed, and the other records do not use the audit)."""
+    datasets = [name for name in TEXT_CORPORA if any(r["dataset"] == name for r in records)]
+    fresh = {}
+    for dataset in datasets:
+        for layer, head, wide, k, v, _ in heads(dataset, n, layers):
+            base = {"dataset": dataset, "layer": layer, "geometry": "dot", "head": head}
+            g = make_geometry("dot", k.shape[-1])
+            with torch.no_grad():
+                fresh[(dataset, layer, head)] = record = _audited(
+                    base, wide, k, v, _exact_wide(wide, k, v, g)
+                )
+            print(json.dumps(record), flush=True)
+    return [
+        fresh.pop((r["dataset"], r["layer"], r["head"]), r) if r["mode"] == "audited" else r
+        for r in records
+    ]
 
 
 def plot(records: list[dict], path: Path) -> None:
@@ -378,9 +409,20 @@ def main() -> None:
         "--outliers", type=float, help="keys read by every query; default: KeyClusters.build's"
     )
     parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
+    parser.add_argument(
+        "--audited-only",
+        action="store_true",
+        help="measure the `audited` records of the JSON again, keeping the others",
+    )
     args = parser.parse_args()
     if args.replot:
         plot(json.loads((args.out / "tail.json").read_text()), args.out / "tail.png")
+        return
+    if args.audited_only:
+        records = rerun_audited(
+            json.loads((args.out / "tail.json").read_text()), args.n, args.layers
+        )
+        (args.out / "tail.json").write_text(json.dumps(records, indent=1))
         return
     torch.manual_seed(0)
     cluster_options = {}

@@ -9,12 +9,16 @@ and the relative output error of the memory's answer is kept per head, the lates
 them. A head whose 99th percentile over a full window is above `target` is `missing`; the
 memory then cuts that head's pieces again at half the size (`LocalMemory`, tail mode).
 
-A call with audited rows reads every key and value once more (their dense attention); a 99th
-percentile over 512 errors rests on their 5 worst, so a head is judged only once its window is
-full."""
+A head is judged as soon as its verdict is certain: when its window is full, or before, once so
+many of its errors are above the target that the full window's 99th percentile will be above it
+whatever the errors still to come (`certain_misses`: 7 of a window of 512). A head that misses
+by far is cut after a few dozen audited rows; one near the target waits for its full window, as
+a 99th percentile over 512 errors rests on their 5 worst. A call with audited rows reads every
+key and value once more (their dense attention)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import torch
@@ -24,11 +28,20 @@ from rewa.attention import Geometry, dense_attention
 from .clusters import MIN_CLUSTER_KEYS
 from .measures import output_error
 
-AUDIT_WINDOW = 512  # the latest errors kept per head; a head is judged on a full window
+AUDIT_WINDOW = 512  # the latest errors kept per head, over which the 99th percentile is judged
 AUDIT_TARGET = 0.15  # the 99th percentile of the relative output error a head should stay within
 # Calls whose audited rows may wait for an audit thread (`LocalMemory` then waits for the oldest;
 # the service's engine leaves the rows unaudited).
 AUDITS_WAITING = 8
+QUANTILE = 0.99  # the quantile of a head's window that is judged
+
+
+def certain_misses(window: int) -> int:
+    """How many errors above the target make a full window of `window` errors miss it, whatever
+    the others: its 99th percentile interpolates between the sorted errors at rank
+    `floor(0.99 (window - 1))` and the next, so it is above the target when every error from
+    that rank on is (7 of 512, 3 of 128, 1 of 1)."""
+    return window - math.floor(QUANTILE * (window - 1))
 
 
 class Audit:
@@ -63,12 +76,15 @@ class Audit:
         self._errors[head].clear()
 
     def missing(self, target: float) -> list[int]:
-        """The heads whose window is full and whose 99th percentile is above `target`."""
-        return [
-            head
-            for head, kept in enumerate(self._errors)
-            if len(kept) == self.window and _quantile(kept, 0.99) > target
-        ]
+        """The heads whose window's 99th percentile is above `target`, or will be once it is
+        full: `certain_misses(window)` of its errors are above `target` already (a window that
+        is not full loses none of them before it fills)."""
+        return [head for head, kept in enumerate(self._errors) if self._misses(kept, target)]
+
+    def _misses(self, kept: deque, target: float) -> bool:
+        if sum(error > target for error in kept) >= certain_misses(self.window):
+            return True
+        return len(kept) == self.window and _quantile(kept, QUANTILE) > target
 
     def to_halve(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
         """`(head, size)`: the first head `missing` the target whose pieces of at most
@@ -86,7 +102,7 @@ class Audit:
             {
                 "audited": len(kept),
                 "err_median": _quantile(kept, 0.5) if kept else None,
-                "err_p99": _quantile(kept, 0.99) if kept else None,
+                "err_p99": _quantile(kept, QUANTILE) if kept else None,
             }
             for kept in self._errors
         ]

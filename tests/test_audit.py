@@ -1,9 +1,9 @@
 """The audit of a memory's answers (index/audit.py, `LocalMemory(audit_every=...)`): one query
 row in `audit_every`, counted over the memory's life, is also answered exactly; the errors are
-kept per head, and a tail head whose 99th percentile over a full window passes the target gets
-pieces of half the size. The heads here: keys around centres, `scale` times as long; at 8192
-keys a scale of 1.2 gives a sharp head whose tail answers miss the default target (p99 0.15)
-and a scale of 0.3 a diffuse one far within it."""
+kept per head, and a tail head whose 99th percentile over a full window passes the target, or
+surely will once the window is full, gets pieces of half the size. The heads here: keys around
+centres, `scale` times as long; at 8192 keys a scale of 1.2 gives a sharp head whose tail
+answers miss the default target (p99 0.15) and a scale of 0.3 a diffuse one far within it."""
 
 import threading
 from dataclasses import fields
@@ -14,7 +14,7 @@ import torch
 from rewa.attention import dense_attention, make_geometry
 from rewa.index import KeyClusters, LocalMemory
 from rewa.index import memory as index_memory
-from rewa.index.audit import AUDIT_TARGET, AUDITS_WAITING, Audit
+from rewa.index.audit import AUDIT_TARGET, AUDIT_WINDOW, AUDITS_WAITING, Audit, certain_misses
 from rewa.index.clusters import MIN_CLUSTER_KEYS
 from rewa.index.measures import output_error
 
@@ -112,6 +112,43 @@ def test_a_head_whose_audit_misses_gets_pieces_of_half_the_size():
     _assert_same(memory._indexes[1], KeyClusters.build(keys[1], values[1], g, probed_pieces=False))
     memory.attend(queries)  # the same rows audited again: the halved pieces err less
     assert memory.audit_report()[0]["err_p99"] < 0.8 * before[0]["err_p99"]
+
+
+def test_a_head_is_judged_once_its_window_will_surely_miss():
+    # Over a full window of 512 the 99th percentile interpolates between the 506th and 507th
+    # smallest errors: 7 errors above the target put it above, whatever the other 505.
+    assert certain_misses(512) == 7
+    audit = Audit(heads=2, every=1, window=512)
+    audit.record(torch.tensor([[0.5] * 6 + [0.0] * 100, [0.0] * 106]))
+    assert audit.missing(0.15) == []  # 6 above: a full window of them may still pass
+    audit.record(torch.tensor([[0.5], [0.0]]))
+    assert audit.missing(0.15) == [0]  # 7 above, 107 of 512 errors kept
+    surely = torch.tensor([0.16] * 7 + [0.0] * 505, dtype=torch.float64)
+    assert surely.quantile(0.99).item() > 0.15
+    # With 6 above, a full window is judged by its 99th percentile: 0.89 of the way from the
+    # 506th smallest error to the 507th.
+    full = Audit(heads=2, every=1, window=512)
+    full.record(torch.tensor([[0.0] * 506 + [0.16] * 6, [0.0] * 506 + [0.2] * 6]))
+    assert full.missing(0.15) == [1]  # p99 0.142 and 0.178
+
+
+def test_a_head_that_surely_misses_is_cut_before_its_window_is_full():
+    keys, values = _sharp_and_diffuse()
+    memory = _memory(keys, values, audit_every=2, audit_target=0.1)
+    queries = _queries(keys, 256)
+    g = make_geometry("dot", D)
+    built = [
+        int(KeyClusters.build(k, v, g, probed_pieces=False).max_keys)
+        for k, v in zip(keys, values, strict=True)
+    ]
+    out, _ = memory.attend(queries)  # 128 audited rows per head, of a window of 512
+    exact, _ = dense_attention(queries[:, ::2], keys, values, g)
+    above = (output_error(out[:, ::2], exact) > 0.1).sum(dim=1).tolist()
+    assert above[0] >= certain_misses(AUDIT_WINDOW) > above[1] and AUDIT_WINDOW > 128
+    memory.wait_for_index()
+    report = memory.audit_report()
+    assert [row["max_keys"] for row in report] == [built[0] // 2, built[1]]
+    assert [row["audited"] for row in report] == [0, 128]  # the cut head's errors forgotten
 
 
 def test_no_head_is_cut_within_the_target_or_below_the_smallest_pieces():

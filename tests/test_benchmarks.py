@@ -165,17 +165,32 @@ def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
         if r["mode"] in ("tail", "topk", "audited"):
             assert r["wide_queries"] == 2048
             assert 0 <= r["wide_err_median"] <= r["wide_err_p99"]
-    # The audit (one query in 16) judges a head after 512 errors, 8192 queries: with 2048 it
-    # cuts nothing, and the memory's clusters are the benchmark's, so its errors are tail's.
+    # The audit (one query in 16) keeps 128 errors of a head here. At 2048 keys every head of
+    # this layer misses the target by far (tail's p99 0.2-1.0): 7 errors above it are a sure
+    # miss of the window of 512, so the audit cuts each head after its first or second call,
+    # once or twice, and the records say when.
     tail = {(r["head"], r["budget"]): r for r in records if r["mode"] == "tail"}
-    for r in (r for r in records if r["mode"] == "audited"):
-        assert r["budget"] == 0.02 and r["max_keys"] == r["built_max_keys"]
-        same = tail[r["head"], r["budget"]]
-        for name in ("wide_err_median", "wide_err_p99"):  # the same calls
-            assert r[name] == pytest.approx(same[name], rel=1e-6), name
-        for name in ("err_median", "err_p99"):  # the 1024 answered in calls of other sizes
-            assert r[name] == pytest.approx(same[name], rel=1e-4), name
+    audited = [r for r in records if r["mode"] == "audited"]
+    assert len(audited) == 12
+    for r in audited:
+        assert r["budget"] == 0.02 and r["first_cut_queries"] in (1024, 2048)
+        assert r["max_keys"] in (r["built_max_keys"] // 2, r["built_max_keys"] // 4)
+        assert tail[r["head"], r["budget"]]["wide_err_p99"] > 0.15
     assert (tmp_path / "tail.png").stat().st_size > 10_000
+    # `--audited-only` measures the audited records again and keeps every other one.
+    again = run_benchmark(
+        "tail", tmp_path, "--datasets", "text-numpy", "--layers", "5", "--n", "2048",
+        "--audited-only",
+    )  # fmt: skip
+    assert [r for r in again if r["mode"] != "audited"] == [
+        r for r in records if r["mode"] != "audited"
+    ]
+    remeasured = [r for r in again if r["mode"] == "audited"]
+    assert [(r["head"], r["max_keys"]) for r in remeasured] == [
+        (r["head"], r["max_keys"]) for r in audited
+    ]
+    for mine, theirs in zip(remeasured, audited, strict=True):
+        assert mine["wide_err_p99"] == pytest.approx(theirs["wide_err_p99"], rel=1e-6)
 
 
 def test_the_text_corpora_are_sorted_python_sources():
