@@ -58,6 +58,7 @@ class Audit:
         self.every, self.window = every, window
         self._rows_seen = 0
         self._errors = [deque(maxlen=window) for _ in range(heads)]
+        self._versions = [0] * heads  # per head, how many times its errors were forgotten
 
     def rows(self, m: int) -> torch.Tensor:
         """The indices of the audited rows among a call's `m` query rows (those whose count over
@@ -66,14 +67,25 @@ class Audit:
         self._rows_seen += m
         return torch.arange(first, max(first, m), self.every)
 
-    def record(self, errors: torch.Tensor) -> None:
-        """Keep the audited rows' errors `(heads, r)`."""
-        for kept, row in zip(self._errors, errors.tolist(), strict=True):
-            kept.extend(row)
+    def versions(self) -> tuple[int, ...]:
+        """Per head, how many times its errors were forgotten (`clear`); taken before a call
+        reads a head's index, it tells `record` whether the call's errors measured the index
+        the head has now."""
+        return tuple(self._versions)
+
+    def record(self, errors: torch.Tensor, versions: tuple[int, ...]) -> None:
+        """Keep the audited rows' errors `(heads, r)` of a call that read the heads' indexes at
+        `versions` (`versions()`), for the heads whose index has not changed since: the others'
+        errors measured the index before."""
+        for head, (kept, row) in enumerate(zip(self._errors, errors.tolist(), strict=True)):
+            if versions[head] == self._versions[head]:
+                kept.extend(row)
 
     def clear(self, head: int) -> None:
-        """Forget a head's errors (its index changed: they measured the one before)."""
+        """Forget a head's errors, and those of calls under way (its index changed: they
+        measured the one before)."""
         self._errors[head].clear()
+        self._versions[head] += 1
 
     def missing(self, target: float) -> list[int]:
         """The heads whose window's 99th percentile is above `target`, or will be once it is

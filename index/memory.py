@@ -151,7 +151,9 @@ class LocalMemory:
         self.probed_pieces = probed_pieces
         self.audit_target = audit_target
         self._audit = Audit(heads, audit_every, audit_window) if audit_every else None
-        self._audits_under_way: deque[Future] = deque()  # audited rows' errors, on the audit thread
+        # the audited rows' errors on the audit thread, and the audit's versions when they
+        # were answered (`Audit.versions`)
+        self._audits_under_way: deque[tuple[Future, tuple[int, ...]]] = deque()
         # tail: the heads whose pieces the audit cut again -> their pieces' most keys, which
         # extensions and retrainings keep
         self._audited_keys: dict[int, int] = {}
@@ -266,23 +268,25 @@ class LocalMemory:
             return
         while len(self._audits_under_way) >= AUDITS_WAITING:
             self._take_audit()
-        self._audits_under_way.append(
-            _auditor().submit(
-                audited_errors, q[:, rows], out[:, rows], self.keys, self.values, self.geometry
-            )
+        errors = _auditor().submit(
+            audited_errors, q[:, rows], out[:, rows], self.keys, self.values, self.geometry
         )
+        # No index changed since this call read them (`_take_extension` runs before the answer).
+        self._audits_under_way.append((errors, self._audit.versions()))
 
     def _take_audits(self, wait: bool = False) -> None:
         """Keep the errors of the audits done (with `wait`, of every one handed over), in the
         order of their calls."""
-        while self._audits_under_way and (wait or self._audits_under_way[0].done()):
+        while self._audits_under_way and (wait or self._audits_under_way[0][0].done()):
             self._take_audit()
 
     def _take_audit(self) -> None:
         """Keep the errors of the oldest audit handed over (waiting for it), and, in tail mode,
         start cutting again the first head whose audit misses (unless an extension is under
-        way: then a later call does)."""
-        self._audit.record(self._audits_under_way.popleft().result())
+        way: then a later call does). A head cut again since that call keeps none of its
+        errors: they measured the pieces before."""
+        errors, versions = self._audits_under_way.popleft()
+        self._audit.record(errors.result(), versions)
         if self.mode != "tail" or not self._indexes or self._extension is not None:
             return
         halving = self._audit.to_halve(

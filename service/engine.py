@@ -709,9 +709,12 @@ class Engine:
         else:
             if positions is None:  # bottom-right aligned, as dense attention's
                 positions = query_positions(q.shape[1], loaded.n_tokens, q.device)
+            # The audit's versions before the answer reads the clusters (`_audit`).
+            audit = self._layer_audit(loaded) if self.audit_every and not causal else None
+            versions = audit.versions() if audit is not None else None
             out, lse = self._sparse(loaded, q, params, positions, causal)
-            if self.audit_every and not causal:
-                self._audit(loaded, q, out, params.mode)
+            if audit is not None:
+                self._audit(loaded, audit, versions, q, out, params.mode)
         result = AttendResult(out=out, lse=lse)
         if params.return_topk:
             ids, scores = self._best(loaded, q, params.return_topk, exact=params.mode == "exact")
@@ -878,11 +881,8 @@ class Engine:
     # (docs/service.md, "The audit"). Each process judges the rows it answers; the piece sizes
     # it chooses are kept in the store, so that every replica's builds follow them.
 
-    def _audit(self, loaded: LoadedContext, q: torch.Tensor, out: torch.Tensor, mode: str):
-        """Hand this call's audited rows (`Audit.rows`, counted per context and layer) to the
-        audit thread (`_judge`), so that the answer does not wait for their exact attention;
-        while `AUDITS_WAITING` calls' rows wait there, a call's rows are not audited (counted
-        as skipped)."""
+    def _layer_audit(self, loaded: LoadedContext) -> Audit:
+        """The audit of the context's layer that `loaded` answers (made at its first call)."""
         layer = loaded.heads.start // loaded.record["heads"] if loaded.heads else 0
         key = (*loaded.key[:2], layer)
         with self._lock:
@@ -891,6 +891,23 @@ class Engine:
                 audit = self._audits[key] = Audit(
                     loaded.keys.shape[0], self.audit_every, self.audit_window
                 )
+            return audit
+
+    def _audit(
+        self,
+        loaded: LoadedContext,
+        audit: Audit,
+        versions: tuple[int, ...],
+        q: torch.Tensor,
+        out: torch.Tensor,
+        mode: str,
+    ):
+        """Hand this call's audited rows (`Audit.rows`, counted per context and layer) to the
+        audit thread (`_judge`), so that the answer does not wait for their exact attention;
+        while `AUDITS_WAITING` calls' rows wait there, a call's rows are not audited (counted
+        as skipped). `versions`: the audit's before the call read the clusters, so that a head
+        cut meanwhile keeps none of the call's errors (they measured the pieces before)."""
+        with self._lock:
             rows = audit.rows(q.shape[1]).to(q.device)
             if len(rows) == 0:
                 return
@@ -898,9 +915,9 @@ class Engine:
                 self._count("audits_skipped")
                 return
             self._audits_waiting += 1
-        self._auditor.submit(self._judge, loaded, audit, q[:, rows], out[:, rows], mode)
+        self._auditor.submit(self._judge, loaded, audit, versions, q[:, rows], out[:, rows], mode)
 
-    def _judge(self, loaded, audit: Audit, q: torch.Tensor, out: torch.Tensor, mode: str):
+    def _judge(self, loaded, audit: Audit, versions, q: torch.Tensor, out: torch.Tensor, mode: str):
         """On the audit thread: the audited rows' exact answers over every key, their errors
         kept, and in tail mode the first head whose audit misses cut again (`_cut_missing`).
         A failure is logged (the answers were sent; these rows go unaudited)."""
@@ -909,7 +926,7 @@ class Engine:
             if self.metrics is not None:
                 self.metrics.audited(errors)
             with self._lock:
-                audit.record(errors)
+                audit.record(errors, versions)
             if mode == "tail":
                 self._cut_missing(loaded, audit)
         except Exception:

@@ -119,16 +119,16 @@ def test_a_head_is_judged_once_its_window_will_surely_miss():
     # smallest errors: 7 errors above the target put it above, whatever the other 505.
     assert certain_misses(512) == 7
     audit = Audit(heads=2, every=1, window=512)
-    audit.record(torch.tensor([[0.5] * 6 + [0.0] * 100, [0.0] * 106]))
+    audit.record(torch.tensor([[0.5] * 6 + [0.0] * 100, [0.0] * 106]), audit.versions())
     assert audit.missing(0.15) == []  # 6 above: a full window of them may still pass
-    audit.record(torch.tensor([[0.5], [0.0]]))
+    audit.record(torch.tensor([[0.5], [0.0]]), audit.versions())
     assert audit.missing(0.15) == [0]  # 7 above, 107 of 512 errors kept
     surely = torch.tensor([0.16] * 7 + [0.0] * 505, dtype=torch.float64)
     assert surely.quantile(0.99).item() > 0.15
     # With 6 above, a full window is judged by its 99th percentile: 0.89 of the way from the
     # 506th smallest error to the 507th.
     full = Audit(heads=2, every=1, window=512)
-    full.record(torch.tensor([[0.0] * 506 + [0.16] * 6, [0.0] * 506 + [0.2] * 6]))
+    full.record(torch.tensor([[0.0] * 506 + [0.16] * 6, [0.0] * 506 + [0.2] * 6]), full.versions())
     assert full.missing(0.15) == [1]  # p99 0.142 and 0.178
 
 
@@ -149,6 +149,31 @@ def test_a_head_that_surely_misses_is_cut_before_its_window_is_full():
     report = memory.audit_report()
     assert [row["max_keys"] for row in report] == [built[0] // 2, built[1]]
     assert [row["audited"] for row in report] == [0, 128]  # the cut head's errors forgotten
+
+
+def test_the_errors_of_answers_from_pieces_cut_since_are_not_kept():
+    """A call answered by the pieces before a cut, audited after it: its errors do not enter
+    the cut head's new window (7 of them above the target would cut it again at once)."""
+    keys, values = _sharp_and_diffuse()
+    memory = _memory(keys, values, audit_every=2, audit_target=0.1)
+    queries = _queries(keys, 256)
+    built = int(KeyClusters.build(keys[0], values[0], make_geometry("dot", D)).max_keys)
+    cutting, auditing = threading.Event(), threading.Event()
+    index_memory._builder().submit(cutting.wait)  # the cut waits
+    memory.attend(queries)
+    memory._take_audits(wait=True)  # the sharp head surely misses: its cut is handed over
+    assert memory._extension is not None and memory._recutting == 0
+    index_memory._auditor().submit(auditing.wait)  # the next audits wait
+    memory.attend(queries)  # answered by the pieces before the cut, audited after it
+    cutting.set()
+    memory._extension.exception()  # the cut is done; the next call takes it
+    memory.attend(queries)  # answered by the halved pieces
+    assert int(memory._indexes[0].max_keys) == built // 2
+    auditing.set()
+    report = memory.audit_report()
+    assert [row["audited"] for row in report] == [128, 384]  # the third call's / all three's
+    memory.wait_for_index()
+    assert int(memory._indexes[0].max_keys) == built // 2
 
 
 def test_no_head_is_cut_within_the_target_or_below_the_smallest_pieces():

@@ -165,6 +165,25 @@ def test_a_version_cut_before_the_choice_is_cut_anew_when_it_extends():
     assert int(loaded.clusters[1].max_keys) == _default_pieces(keys[1], values[1])
 
 
+def test_the_errors_of_answers_from_pieces_cut_since_are_not_kept():
+    """Rows answered by the pieces before a cut and audited after it do not enter the cut
+    head's new window; the other head keeps them."""
+    keys, values, engine, loaded = _audited(audit_every=2, audit_target=10.0)
+    queries = _queries(keys, 256)
+    auditing = threading.Event()
+    engine._auditor.submit(auditing.wait)  # the audit waits
+    engine.attend(loaded, queries, TAIL)  # 128 rows of each head handed over
+    half = _default_pieces(keys[0], values[0]) // 2
+    engine._cut_again(("ns", "c"), 0, half)  # a cut, meanwhile
+    assert int(loaded.clusters[0].max_keys) == half
+    auditing.set()
+    engine.wait_for_audits()
+    assert [row["audited"] for row in engine.audit_report("ns", loaded.record)] == [0, 128]
+    engine.attend(loaded, queries, TAIL)  # answered by the halved pieces: kept
+    engine.wait_for_audits()
+    assert [row["audited"] for row in engine.audit_report("ns", loaded.record)] == [128, 256]
+
+
 def test_the_layers_of_a_document_are_audited_apart():
     """One query per call, alternating between two layers: each layer counts its own rows (a
     count shared by the document would audit layer 0 alone), and layer 1's sharp head is the
