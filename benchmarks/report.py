@@ -376,8 +376,8 @@ def _audited_lines(text: list[dict]) -> list[str]:
     tail = [r for r in text if r["mode"] == "tail" and r["budget"] == audited[0]["budget"]]
     recut = [r for r in audited if r["max_keys"] != r["built_max_keys"]]
     names = ", ".join(
-        f"layer {r['layer']} head {r['head']} ({r['built_max_keys']} -> {r['max_keys']} keys, "
-        f"p99 {r['wide_err_p99']:.3f})"
+        f"layer {r['layer']} head {r['head']} ({r['built_max_keys']} -> {r['max_keys']} keys"
+        f"{_first_cut(r)}, p99 {r['wide_err_p99']:.3f})"
         for r in recut
     )
     return [
@@ -389,6 +389,12 @@ def _audited_lines(text: list[dict]) -> list[str]:
         f"{len(tail)} without; over the 1024 timed queries "
         f"{sum(map(_on_target, audited))} and {sum(map(_on_target, tail))}."
     ]
+
+
+def _first_cut(record: dict) -> str:
+    """When the audit first cut an `audited` record's head (records before that field: "")."""
+    queries = record.get("first_cut_queries")
+    return f", first after {queries:,} queries" if queries else ""
 
 
 def _measured_table(records: list[dict]) -> list[str]:

@@ -17,7 +17,7 @@ directory, one with `REWA_AUDIT_EVERY=64` and one without, are loaded in turn, c
 client count, with `AUDIT_REQUESTS` tail requests per client (enough for audited rows at one in
 64; `--audit-requests`); records `{"mode": "audit", "audit_every", "clients", "requests", ...,
 "audited_rows", "skipped_calls"}` (the rows the audit answered exactly during the measurement,
-and the calls whose rows it skipped, from the server's index state and metrics).
+and the calls whose rows it skipped, from the server's metrics).
 
     .venv/bin/python benchmarks/service.py
     .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
@@ -208,16 +208,24 @@ def load(
 
 
 def audit_counts(url: str, context_id: str) -> tuple[int, int]:
-    """`(rows audited so far of head 0, calls whose rows were skipped)` of a server."""
+    """`(rows audited so far, calls whose rows were skipped)` of a server: its errors observed
+    (`rewa_audit_error`, one per head and row) over the context's heads. The errors an audit
+    report keeps are no count: a head's are forgotten when the audit cuts it."""
     with httpx.Client(base_url=url, timeout=60) as client:
         state = client.get(f"/v1/contexts/{context_id}/index").raise_for_status().json()
         metrics = client.get("/metrics").raise_for_status().text
-    skipped = [
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("rewa_audits_skipped_total ")
-    ]
-    return state["audit"][0]["audited"] if state["audit"] else 0, int(sum(skipped))
+    errors, skipped = (
+        _metric(metrics, "rewa_audit_error_count"),
+        _metric(metrics, "rewa_audits_skipped_total"),
+    )
+    return (round(errors / len(state["audit"])) if state["audit"] else 0), round(skipped)
+
+
+def _metric(metrics: str, name: str) -> float:
+    """The sum of the samples of `name` in a Prometheus text exposition (0 when none)."""
+    return sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " ")
+    )
 
 
 def run_audit(
