@@ -765,15 +765,16 @@ def service_section(records: list[dict]) -> str:
             "servers, one auditing and one not, loaded in turn per client count.",
             "",
             "| audit | clients | p50 / p99 | requests/s | server CPU | rows audited | calls "
-            "skipped |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "skipped | heads cut / settled |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in audited:
             every = f"1 in {r['audit_every']}" if r["audit_every"] else "off"
+            cuts = f"{r['cuts']} / {r['settled_heads']}" if "cuts" in r else "-"
             lines.append(
                 f"| {every} | {r['clients']} | {r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | "
                 f"{r['requests_per_s']:.0f} | {r['server_cpu_ms_per_request']:.1f} ms | "
-                f"{r['audited_rows']} | {r['skipped_calls']} |"
+                f"{r['audited_rows']} | {r['skipped_calls']} | {cuts} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -16,8 +16,9 @@ The audit's cost (docs/service.md, "The audit"): two more servers with batching 
 directory, one with `REWA_AUDIT_EVERY=64` and one without, are loaded in turn, client count by
 client count, with `AUDIT_REQUESTS` tail requests per client (enough for audited rows at one in
 64; `--audit-requests`); records `{"mode": "audit", "audit_every", "clients", "requests", ...,
-"audited_rows", "skipped_calls"}` (the rows the audit answered exactly during the measurement,
-and the calls whose rows it skipped, from the server's metrics).
+"audited_rows", "skipped_calls", "cuts", "settled_heads"}` (the rows the audit answered
+exactly during the measurement, the calls whose rows it skipped and the heads it cut again,
+from the server's metrics, and the heads settled by then: halved, and not mended by it).
 
     .venv/bin/python benchmarks/service.py
     .venv/bin/python benchmarks/service.py --tokens 16384 --requests 10 --out /tmp/service
@@ -207,18 +208,20 @@ def load(
     }
 
 
-def audit_counts(url: str, context_id: str) -> tuple[int, int]:
-    """`(rows audited so far, calls whose rows were skipped)` of a server: its errors observed
-    (`rewa_audit_error`, one per head and row) over the context's heads. The errors an audit
-    report keeps are no count: a head's are forgotten when the audit cuts it."""
+def audit_counts(url: str, context_id: str) -> tuple[int, int, int, int]:
+    """`(rows audited so far, calls whose rows were skipped, heads cut, heads settled)` of a
+    server: its errors observed (`rewa_audit_error`, one per head and row) over the context's
+    heads, its counters, and the heads its audit settled (halved, and not mended by it). The
+    errors an audit report keeps are no count: a head's are forgotten when the audit cuts it."""
     with httpx.Client(base_url=url, timeout=60) as client:
         state = client.get(f"/v1/contexts/{context_id}/index").raise_for_status().json()
         metrics = client.get("/metrics").raise_for_status().text
-    errors, skipped = (
-        _metric(metrics, "rewa_audit_error_count"),
-        _metric(metrics, "rewa_audits_skipped_total"),
-    )
-    return (round(errors / len(state["audit"])) if state["audit"] else 0), round(skipped)
+    heads = state["audit"] or []
+    errors = _metric(metrics, "rewa_audit_error_count")
+    rows = round(errors / len(heads)) if heads else 0
+    skipped = round(_metric(metrics, "rewa_audits_skipped_total"))
+    cuts = round(_metric(metrics, "rewa_audit_cuts_total"))
+    return rows, skipped, cuts, sum(head["settled"] for head in heads)
 
 
 def _metric(metrics: str, name: str) -> float:
@@ -255,6 +258,8 @@ def run_audit(
                 record |= {"requests": requests * clients, **measured}
                 record["audited_rows"] = after[0] - before[0]
                 record["skipped_calls"] = after[1] - before[1]
+                record["cuts"] = after[2] - before[2]
+                record["settled_heads"] = after[3]
                 records.append(record)
                 print(json.dumps(record), flush=True)
     finally:

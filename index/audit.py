@@ -9,6 +9,14 @@ and the relative output error of the memory's answer is kept per head, the lates
 them. A head whose 99th percentile over a full window is above `target` is `missing`; the
 memory then cuts that head's pieces again at half the size (`LocalMemory`, tail mode).
 
+A halving that does not mend a head is not repeated. Halving mends sharp heads, whose pieces'
+keys are too spread for the estimate; it does not mend heads whose answers miss for other
+reasons (keys with no structure to cluster, answers near zero that make every relative error
+large), and each halving makes a head's calls dearer. So a head the audit halved is halved
+again only where its 99th percentile came down to `PROBE_GAIN` (0.8) of the one that cut it,
+the probes' rule (`tail/probe.py`); otherwise it is `settled`: it keeps the pieces it has, and
+is not cut again.
+
 A head is judged as soon as its verdict is certain: when its window is full, or before, once so
 many of its errors are above the target that the full window's 99th percentile will be above it
 whatever the errors still to come (`certain_misses`: 7 of a window of 512). A head that misses
@@ -27,6 +35,7 @@ from rewa.attention import Geometry, dense_attention
 
 from .clusters import MIN_CLUSTER_KEYS
 from .measures import output_error
+from .tail.probe import PROBE_GAIN
 
 AUDIT_WINDOW = 512  # the latest errors kept per head, over which the 99th percentile is judged
 AUDIT_TARGET = 0.15  # the 99th percentile of the relative output error a head should stay within
@@ -59,6 +68,9 @@ class Audit:
         self._rows_seen = 0
         self._errors = [deque(maxlen=window) for _ in range(heads)]
         self._versions = [0] * heads  # per head, how many times its errors were forgotten
+        # per head `to_halve` chose: its version and 99th percentile then
+        self._halved_at: dict[int, tuple[int, float]] = {}
+        self._settled: set[int] = set()  # heads whose halving did not mend them
 
     def rows(self, m: int) -> torch.Tensor:
         """The indices of the audited rows among a call's `m` query rows (those whose count over
@@ -101,22 +113,33 @@ class Audit:
     def to_halve(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
         """`(head, size)`: the first head `missing` the target whose pieces of at most
         `max_keys[head]` keys can be halved (to `MIN_CLUSTER_KEYS` or more), and the half;
-        None when there is none."""
+        None when there is none. A head chosen before, and cut since (`clear`), is chosen
+        again only where its 99th percentile is at most `PROBE_GAIN` of the one it had then;
+        otherwise that halving did not mend it, and it is settled: never chosen again (module
+        docstring)."""
         for head in self.missing(target):
-            if max_keys[head] // 2 >= MIN_CLUSTER_KEYS:
-                return head, max_keys[head] // 2
+            if head in self._settled or max_keys[head] // 2 < MIN_CLUSTER_KEYS:
+                continue
+            p99 = _quantile(self._errors[head], QUANTILE)
+            version, p99_then = self._halved_at.get(head, (self._versions[head], math.inf))
+            if version != self._versions[head] and p99 > PROBE_GAIN * p99_then:
+                self._settled.add(head)
+                continue
+            self._halved_at[head] = self._versions[head], p99
+            return head, max_keys[head] // 2
         return None
 
     def report(self) -> list[dict]:
-        """Per head: `audited` (errors kept), and their `err_median` and `err_p99` (None while
-        none is kept)."""
+        """Per head: `audited` (errors kept), their `err_median` and `err_p99` (None while none
+        is kept), and `settled` (a halving did not mend it: `to_halve`)."""
         return [
             {
                 "audited": len(kept),
                 "err_median": _quantile(kept, 0.5) if kept else None,
                 "err_p99": _quantile(kept, QUANTILE) if kept else None,
+                "settled": head in self._settled,
             }
-            for kept in self._errors
+            for head, kept in enumerate(self._errors)
         ]
 
 

@@ -110,12 +110,14 @@ class AuditedHead(BaseModel):
     """One stored head's audit on this replica (`REWA_AUDIT_EVERY`; docs/service.md, "The
     audit"): `audited`, the errors kept (at most `REWA_AUDIT_WINDOW`), their median and 99th
     percentile (None while none is kept), each the relative output error `||out - exact|| /
-    ||exact||` of one audited query's answer, and `max_keys`, the most keys of the pieces of the
-    cached version's tail clusters (None when they are not built)."""
+    ||exact||` of one audited query's answer; `settled`, whether the audit halved its pieces
+    and that did not mend it, so that it is not cut again; and `max_keys`, the most keys of the
+    pieces of the cached version's tail clusters (None when they are not built)."""
 
     audited: int
     err_median: float | None = None
     err_p99: float | None = None
+    settled: bool = False
     max_keys: int | None = None
 
 

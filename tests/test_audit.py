@@ -176,6 +176,48 @@ def test_the_errors_of_answers_from_pieces_cut_since_are_not_kept():
     assert int(memory._indexes[0].max_keys) == built // 2
 
 
+def test_a_head_is_halved_again_only_where_its_halving_mended_it():
+    audit = Audit(heads=3, every=1, window=512)
+    misses = [0.0] * 93 + [0.3] * 7  # 7 errors above 0.15: a sure miss, p99 0.3
+    audit.record(torch.tensor([misses] * 3), audit.versions())
+    assert audit.to_halve(0.15, [256, 256, 256]) == (0, 128)
+    audit.clear(0)  # head 0 cut
+    # Head 0 misses again, p99 0.28 > 0.8 x 0.3: the halving did not mend it.
+    audit.record(
+        torch.tensor([[0.0] * 93 + [0.28] * 7, [0.0] * 100, [0.0] * 100]), audit.versions()
+    )
+    assert audit.to_halve(0.15, [128, 256, 256]) == (1, 128)  # head 0 settled; head 1 next
+    assert [row["settled"] for row in audit.report()] == [True, False, False]
+    audit.clear(1)
+    # Head 1 misses again, p99 0.2 <= 0.8 x 0.3: halved again.
+    audit.record(torch.tensor([[0.0] * 100, [0.0] * 93 + [0.2] * 7, [0.0] * 100]), audit.versions())
+    assert audit.to_halve(0.15, [128, 128, 256]) == (1, 64)
+    # A head chosen but not cut since (its cut failed) is chosen again.
+    assert audit.to_halve(0.15, [128, 128, 256]) == (1, 64)
+    # A settled head is never chosen again, however far it misses.
+    audit.record(torch.tensor([[5.0] * 100, [0.0] * 100, [0.0] * 100]), audit.versions())
+    assert audit.to_halve(0.15, [128, 64, 256]) == (1, 32)
+
+
+def test_a_head_whose_halving_does_not_mend_it_is_settled():
+    """Random keys and values, the service benchmark's: the answers are averages of many
+    random values, near zero, so relative errors are large however the keys are cut. The
+    audit halves the head once; the halved pieces miss by as much, so it cuts no more."""
+    generator = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 1, 32768, 64, generator=generator)
+    queries = torch.randn(1, 2048, 64, generator=generator)
+    memory = LocalMemory(1, 64, open_segment=0, exact_while_building=0, audit_every=2)
+    memory.append(keys, values)
+    memory.attend(queries[:, :1])
+    built = int(memory._indexes[0].max_keys)
+    for chunk in queries.split(512, dim=1):
+        memory.attend(chunk)  # 256 audited rows
+        memory.wait_for_index()
+    report = memory.audit_report()[0]
+    assert report["max_keys"] == built // 2 >= 2 * MIN_CLUSTER_KEYS and report["settled"]
+    assert report["audited"] == 512 and report["err_p99"] > AUDIT_TARGET  # it still misses
+
+
 def test_no_head_is_cut_within_the_target_or_below_the_smallest_pieces():
     keys, values = _sharp_and_diffuse()
     queries = _queries(keys, 256)

@@ -335,7 +335,7 @@ def test_replicas_on_redis_share_the_choice_and_report_their_audits():
             default = _default_pieces(keys[0], values[0])
             state = _polled(a, context["id"], lambda audit: audit[0]["max_keys"] == default // 2)
             assert state["audit"][0] == {"audited": 0, "err_median": None, "err_p99": None,
-                                         "max_keys": default // 2}  # fmt: skip
+                                         "settled": False, "max_keys": default // 2}  # fmt: skip
             assert state["audit"][1]["audited"] == 128
             assert "rewa_audit_cuts_total 1.0" in a.get("/metrics").text
             built = b.post(f"/v1/contexts/{context['id']}/index", json={"modes": ["tail"]})
