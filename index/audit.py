@@ -14,8 +14,8 @@ keys are too spread for the estimate; it does not mend heads whose answers miss 
 reasons (keys with no structure to cluster, answers near zero that make every relative error
 large), and each halving makes a head's calls dearer. So a head the audit halved is halved
 again only where its 99th percentile came down to `PROBE_GAIN` (0.8) of the one that cut it,
-the probes' rule (`tail/probe.py`); otherwise it is `settled`: it keeps the pieces it has, and
-is not cut again.
+the probes' rule (`tail/probe.py`); otherwise it is `settled`: its pieces go back to the size
+they had before that halving, and it is not cut again.
 
 A head is judged as soon as its verdict is certain: when its window is full, or before, once so
 many of its errors are above the target that the full window's 99th percentile will be above it
@@ -68,8 +68,8 @@ class Audit:
         self._rows_seen = 0
         self._errors = [deque(maxlen=window) for _ in range(heads)]
         self._versions = [0] * heads  # per head, how many times its errors were forgotten
-        # per head `to_halve` chose: its version and 99th percentile then
-        self._halved_at: dict[int, tuple[int, float]] = {}
+        # per head `to_cut` halved: its version, 99th percentile and most keys then
+        self._halved_at: dict[int, tuple[int, float, int]] = {}
         self._settled: set[int] = set()  # heads whose halving did not mend them
 
     def rows(self, m: int) -> torch.Tensor:
@@ -110,28 +110,32 @@ class Audit:
             return True
         return len(kept) == self.window and _quantile(kept, QUANTILE) > target
 
-    def to_halve(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
+    def to_cut(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
         """`(head, size)`: the first head `missing` the target whose pieces of at most
-        `max_keys[head]` keys can be halved (to `MIN_CLUSTER_KEYS` or more), and the half;
-        None when there is none. A head chosen before, and cut since (`clear`), is chosen
-        again only where its 99th percentile is at most `PROBE_GAIN` of the one it had then;
-        otherwise that halving did not mend it, and it is settled: never chosen again (module
-        docstring)."""
+        `max_keys[head]` keys are to be cut again, and the size to cut them to; None when there
+        is none. The size is half (a head whose half would be below `MIN_CLUSTER_KEYS` is left
+        alone), unless the audit halved the head before and it was cut since (`clear`) and
+        that halving did not mend it, its 99th percentile now above `PROBE_GAIN` of the one it
+        had then: then the head is settled, never chosen again, and the size is the one it had
+        before that halving (module docstring)."""
         for head in self.missing(target):
-            if head in self._settled or max_keys[head] // 2 < MIN_CLUSTER_KEYS:
+            if head in self._settled:
                 continue
             p99 = _quantile(self._errors[head], QUANTILE)
-            version, p99_then = self._halved_at.get(head, (self._versions[head], math.inf))
+            version, p99_then, size_then = self._halved_at.get(head, (-1, math.inf, 0))
             if version != self._versions[head] and p99 > PROBE_GAIN * p99_then:
                 self._settled.add(head)
+                if max_keys[head] < size_then:
+                    return head, size_then
                 continue
-            self._halved_at[head] = self._versions[head], p99
-            return head, max_keys[head] // 2
+            if max_keys[head] // 2 >= MIN_CLUSTER_KEYS:
+                self._halved_at[head] = self._versions[head], p99, max_keys[head]
+                return head, max_keys[head] // 2
         return None
 
     def report(self) -> list[dict]:
         """Per head: `audited` (errors kept), their `err_median` and `err_p99` (None while none
-        is kept), and `settled` (a halving did not mend it: `to_halve`)."""
+        is kept), and `settled` (a halving did not mend it: `to_cut`)."""
         return [
             {
                 "audited": len(kept),

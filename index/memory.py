@@ -282,18 +282,19 @@ class LocalMemory:
 
     def _take_audit(self) -> None:
         """Keep the errors of the oldest audit handed over (waiting for it), and, in tail mode,
-        start cutting again the first head whose audit misses (unless an extension is under
-        way: then a later call does). A head cut again since that call keeps none of its
-        errors: they measured the pieces before."""
+        start cutting again the first head whose audit misses (`Audit.to_cut`: to half its
+        pieces' size, or back to the size before a halving that did not mend it), unless an
+        extension is under way (then a later call does). A head cut again since that call
+        keeps none of its errors: they measured the pieces before."""
         errors, versions = self._audits_under_way.popleft()
         self._audit.record(errors.result(), versions)
         if self.mode != "tail" or not self._indexes or self._extension is not None:
             return
-        halving = self._audit.to_halve(
+        cut = self._audit.to_cut(
             self.audit_target, [int(index.max_keys) for index in self._indexes]
         )
-        if halving is not None:
-            head, max_keys = halving
+        if cut is not None:
+            head, max_keys = cut
             keys = self.geometry.witness(self._key_buffer[head, : self._indexed])
             self._extension = _builder().submit(
                 _recut, self._indexes, head, keys, self._value_buffer[head, : self._indexed],

@@ -549,7 +549,7 @@ class Engine:
             extended = []
             for head, clusters in enumerate(base.clusters):
                 size = chosen.get(head)
-                if size and int(clusters.max_keys) > size:  # chosen since these were cut
+                if size and int(clusters.max_keys) != size:  # chosen since these were cut
                     extended.append(self._head_clusters(loaded, head, size))
                     continue
                 extended.append(
@@ -940,8 +940,9 @@ class Engine:
         self._auditor.submit(lambda: None).result()
 
     def _cut_missing(self, loaded: LoadedContext, audit: Audit) -> None:
-        """The layer's first head whose audit misses and whose pieces can be halved
-        (`Audit.to_halve`) gets pieces of half the size: chosen, and cut, on the build thread
+        """The layer's first head whose audit misses and whose pieces are to be cut again
+        (`Audit.to_cut`: to half their size, or back to the size before a halving that did not
+        mend the head) gets pieces of that size: chosen, and cut, on the build thread
         (`_cut_again`); nothing while a cut of this context is under way, or while the version
         answering has no clusters of its own (an earlier version's answered)."""
         root = loaded.parent or loaded
@@ -952,22 +953,22 @@ class Engine:
             if not root.clusters or (under_way is not None and not under_way.done()):
                 return
             max_keys = [int(clusters.max_keys) for clusters in root.clusters[heads]]
-            halving = audit.to_halve(self.audit_target, max_keys)
-            if halving is not None:
-                head, size = halving
+            cut = audit.to_cut(self.audit_target, max_keys)
+            if cut is not None:
+                head, size = cut
                 self._recuts[context] = self._builder.submit(
-                    self._cut_again, context, heads.start + head, size
+                    self._cut_again, context, heads.start + head, size, size > max_keys[head]
                 )
 
-    def _cut_again(self, context: ContextId, head: int, size: int) -> None:
+    def _cut_again(self, context: ContextId, head: int, size: int, back: bool = False) -> None:
         """On the build thread: keep in the store the choice of pieces of at most `size` keys
-        for the stored head `head`, then cut again, to the sizes chosen, the clusters of the
-        newest cached version that has them, in place in every cached version that shares
-        them (their answers change at once), and forget the errors of the heads cut (they
-        measured the pieces before). A failure is logged: the next audit that misses tries
-        again."""
+        for the stored head `head` (`back`: the size before a halving that did not mend it),
+        then cut again, to the sizes chosen, the clusters of the newest cached version that has
+        them, in place in every cached version that shares them (their answers change at
+        once), and forget the errors of the heads cut (they measured the pieces before). A
+        failure is logged: the next audit that misses tries again."""
         try:
-            chosen = self._choose_pieces(context, head, size)
+            chosen = self._choose_pieces(context, head, size, back)
             with self._lock:
                 versions = [
                     loaded
@@ -981,7 +982,7 @@ class Engine:
             with torch.no_grad():
                 new = [
                     self._head_clusters(newest, h, chosen[h])
-                    if chosen.get(h) and int(clusters.max_keys) > chosen[h]
+                    if chosen.get(h) and int(clusters.max_keys) != chosen[h]
                     else clusters
                     for h, clusters in enumerate(old)
                 ]
@@ -1010,11 +1011,14 @@ class Engine:
         blob = self.store.get_blob(namespace, context_id, AUDITED_PIECES)
         return {int(head): int(size) for head, size in json.loads(blob or b"{}").items()}
 
-    def _choose_pieces(self, context: ContextId, head: int, size: int) -> dict[int, int]:
+    def _choose_pieces(
+        self, context: ContextId, head: int, size: int, back: bool = False
+    ) -> dict[int, int]:
         """Keep pieces of at most `size` keys for `head` in the store (the smaller, where a
-        replica chose one too); the context's choices now (`audited_pieces`)."""
+        replica chose one too, unless the size goes `back` to the one before a halving that did
+        not mend the head); the context's choices now (`audited_pieces`)."""
         chosen = self.audited_pieces(*context)
-        chosen[head] = min(size, chosen.get(head, size))
+        chosen[head] = size if back else min(size, chosen.get(head, size))
         self.store.put_blob(*context, AUDITED_PIECES, json.dumps(chosen).encode())
         return chosen
 

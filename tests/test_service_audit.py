@@ -184,6 +184,34 @@ def test_the_errors_of_answers_from_pieces_cut_since_are_not_kept():
     assert [row["audited"] for row in engine.audit_report("ns", loaded.record)] == [128, 256]
 
 
+def test_a_head_whose_halving_does_not_mend_it_goes_back_and_is_settled():
+    """Random keys and values, as in benchmarks/service.py: the answers average many random
+    values and lie near zero, so the relative errors are large at any piece size. Each head is
+    halved once, misses as much, goes back to its pieces (the store keeps that size, larger
+    than the halved one) and is settled."""
+    generator = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 2, 32768, D, generator=generator)
+    queries = torch.randn(2, 4096, D, generator=generator)
+    store = EmbeddedStore()
+    engine = _engine(store, audit_every=2)
+    loaded = engine.context("ns", _commit(store, "c", keys, values))
+    default = [_default_pieces(keys[head], values[head]) for head in range(2)]
+    cuts = []
+    for chunk in queries.split(512, dim=1):
+        engine.attend(loaded, chunk, TAIL)
+        _wait_for_cut(engine)
+        cuts.append([int(clusters.max_keys) for clusters in loaded.clusters])
+    assert [default[0] // 2, default[1]] in cuts and [default[0], default[1] // 2] in cuts
+    report = engine.audit_report("ns", loaded.record)
+    assert [row["settled"] for row in report] == [True, True]
+    assert [row["max_keys"] for row in report] == default
+    assert engine.audited_pieces("ns", "c") == {0: default[0], 1: default[1]}
+    expected = KeyClusters.build(
+        keys[0], values[0], GEOMETRY, max_cluster_keys=default[0], probed_pieces=False
+    )
+    _assert_same(loaded.clusters[0], expected)
+
+
 def test_the_layers_of_a_document_are_audited_apart():
     """One query per call, alternating between two layers: each layer counts its own rows (a
     count shared by the document would audit layer 0 alone), and layer 1's sharp head is the
