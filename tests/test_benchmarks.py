@@ -168,13 +168,17 @@ def test_tail_benchmark_on_a_second_text_corpus(tmp_path):
     # The audit (one query in 16) keeps 128 errors of a head here. At 2048 keys every head of
     # this layer misses the target by far (tail's p99 0.2-1.0): 7 errors above it are a sure
     # miss of the window of 512, so the audit cuts each head after its first or second call,
-    # once or twice, and the records say when.
+    # and the records say when; a head whose halving did not mend it goes back to its size.
     tail = {(r["head"], r["budget"]): r for r in records if r["mode"] == "tail"}
     audited = [r for r in records if r["mode"] == "audited"]
     assert len(audited) == 12
     for r in audited:
         assert r["budget"] == 0.02 and r["first_cut_queries"] in (1024, 2048)
-        assert r["max_keys"] in (r["built_max_keys"] // 2, r["built_max_keys"] // 4)
+        assert r["max_keys"] in (
+            r["built_max_keys"],
+            r["built_max_keys"] // 2,
+            r["built_max_keys"] // 4,
+        )
         assert tail[r["head"], r["budget"]]["wide_err_p99"] > 0.15
     assert (tmp_path / "tail.png").stat().st_size > 10_000
     # `--audited-only` measures the audited records again and keeps every other one.

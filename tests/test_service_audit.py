@@ -146,9 +146,11 @@ def test_later_versions_and_replicas_follow_the_size_the_audit_chose():
         _assert_same(loaded.clusters[1], _default_clusters(keys[1], values[1]))
 
 
-def test_a_version_cut_before_the_choice_is_cut_anew_when_it_extends():
+@pytest.mark.parametrize("chosen", ["smaller", "larger"])
+def test_a_version_cut_before_the_choice_is_cut_anew_when_it_extends(chosen):
     """A replica holding clusters of the default size when another chose a smaller one builds
-    that head anew at its next extension (extending would keep the larger pieces)."""
+    that head anew at its next extension (extending would keep the larger pieces); so too when
+    the other chose a larger one (a head whose halving did not mend it goes back)."""
     keys, values = _sharp_and_diffuse(N + 500)
     store = EmbeddedStore()
     record = _commit(store, "c", keys[:, :N], values[:, :N])
@@ -156,11 +158,14 @@ def test_a_version_cut_before_the_choice_is_cut_anew_when_it_extends():
     engine.build_indexes(engine.context("ns", record), ["tail"])
     default = _default_pieces(keys[0, :N], values[0, :N])
     assert int(engine.context("ns", record).clusters[0].max_keys) == default
-    store.put_blob("ns", "c", AUDITED_PIECES, json.dumps({"0": default // 4}).encode())
+    size = default // 4 if chosen == "smaller" else default * 2
+    store.put_blob("ns", "c", AUDITED_PIECES, json.dumps({"0": size}).encode())
     record = _commit(store, "c", keys[:, N:], values[:, N:])
     loaded = engine.context("ns", record)
     engine.build_indexes(loaded, ["tail"])
-    expected = KeyClusters.build(keys[0], values[0], GEOMETRY, max_cluster_keys=default // 4)
+    expected = KeyClusters.build(
+        keys[0], values[0], GEOMETRY, max_cluster_keys=size, probed_pieces=False
+    )
     _assert_same(loaded.clusters[0], expected)
     assert int(loaded.clusters[1].max_keys) == _default_pieces(keys[1], values[1])
 
