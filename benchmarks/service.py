@@ -15,7 +15,9 @@ over the measured requests, divided by their number) plus one `{"mode": "upload"
 The audit's cost (docs/service.md, "The audit"): two more servers with batching over the same
 directory, one with `REWA_AUDIT_EVERY=64` and one without, are loaded in turn, client count by
 client count, with `AUDIT_REQUESTS` tail requests per client (enough for audited rows at one in
-64; `--audit-requests`); records `{"mode": "audit", "audit_every", "clients", "requests", ...,
+64; `--audit-requests`), in two passes over the client counts: the first pays for the cuts the
+audit makes, the second runs after them; records `{"mode": "audit", "pass", "audit_every",
+"clients", "requests", ...,
 "audited_rows", "skipped_calls", "cuts", "settled_heads"}` (the rows the audit answered
 exactly during the measurement, the calls whose rows it skipped and the heads it cut again,
 from the server's metrics, and the heads settled by then: halved, and not mended by it).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import itertools
 import json
 import os
 import signal
@@ -239,7 +242,8 @@ def run_audit(
     requests: int,
 ) -> list[dict]:
     """`requests` tail requests per client against a server auditing one row in `AUDIT_EVERY`
-    and one not, in turn per client count (module docstring)."""
+    and one not, in turn per client count, in two passes: the second after the audit's
+    cuts of the first (module docstring)."""
     records = []
     servers = {
         every: start_server(data_dir, True, sparse_threads, {"REWA_AUDIT_EVERY": str(every)})
@@ -249,12 +253,13 @@ def run_audit(
         for process, url in servers.values():
             wait_for_index(url, context_id)
             load(url, context_id, 1, 3, False, process.pid)
-        for clients in client_counts:
+        for measured_pass, clients in itertools.product((1, 2), client_counts):
             for every, (process, url) in servers.items():
                 before = audit_counts(url, context_id)
                 measured = load(url, context_id, clients, requests, False, process.pid)
                 after = audit_counts(url, context_id)
-                record = {"mode": "audit", "audit_every": every, "clients": clients}
+                record = {"mode": "audit", "pass": measured_pass, "audit_every": every}
+                record["clients"] = clients
                 record |= {"requests": requests * clients, **measured}
                 record["audited_rows"] = after[0] - before[0]
                 record["skipped_calls"] = after[1] - before[1]
@@ -324,9 +329,17 @@ def plot(records: list[dict], path: Path) -> None:
             clients = [r["clients"] for r in rows]
             left.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
             right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
-    for every in sorted({r["audit_every"] for r in records if r["mode"] == "audit"}):
-        rows = [r for r in records if r["mode"] == "audit" and r["audit_every"] == every]
-        label = f"tail, audit {'off' if not every else f'1 in {every}'} (their own run)"
+    audits = {(r.get("pass", 1), r["audit_every"]) for r in records if r["mode"] == "audit"}
+    for measured_pass, every in sorted(audits):
+        rows = [
+            r
+            for r in records
+            if r["mode"] == "audit"
+            and r.get("pass", 1) == measured_pass
+            and r["audit_every"] == every
+        ]
+        audit = "off" if not every else f"1 in {every}"
+        label = f"tail, audit {audit} (their own run, pass {measured_pass})"
         clients = [r["clients"] for r in rows]
         left.plot(clients, [r["requests_per_s"] for r in rows], "--", marker="x", label=label)
         right.plot(clients, [r["p99_ms"] for r in rows], "--", marker="x", label=label)

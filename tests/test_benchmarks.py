@@ -260,9 +260,12 @@ def test_service_benchmark_writes_records_and_a_plot(tmp_path):
         (c, b, e) for c in (1, 8) for b in (True, False) for e in (True, False)
     }
     assert all(r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0 for r in loads)
-    # The audit's measurement: each client count against the server without and with it.
-    assert [(r["clients"], r["audit_every"]) for r in audits] == [(1, 0), (1, 64), (8, 0), (8, 64)]
-    assert [r["requests"] for r in audits] == [64, 64, 512, 512]
+    # The audit's measurement: each client count against the server without and with it, in
+    # two passes.
+    assert [(r["pass"], r["clients"], r["audit_every"]) for r in audits] == [
+        (p, c, a) for p in (1, 2) for c in (1, 8) for a in (0, 64)
+    ]
+    assert [r["requests"] for r in audits] == [64, 64, 512, 512] * 2
     for r in audits:
         assert r["p50_ms"] <= r["p99_ms"] and r["requests_per_s"] > 0
         # One query row per request: at most one audited row in 64 (fewer where skipped); the
