@@ -93,6 +93,11 @@ class Audit:
             if versions[head] == self._versions[head]:
                 kept.extend(row)
 
+    def settle(self, head: int) -> None:
+        """Never cut `head` again (another audit of it, a replica's, found that its halving did
+        not mend it: `to_cut`)."""
+        self._settled.add(head)
+
     def clear(self, head: int) -> None:
         """Forget a head's errors, and those of calls under way (its index changed: they
         measured the one before)."""

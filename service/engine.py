@@ -29,7 +29,8 @@ by exact dense attention, and the errors are kept per context, layer and head (`
 tail head whose 99th percentile passes `audit_target` gets pieces of half the size: the choice
 is kept in the store with the context (`AUDITED_PIECES`), so that every later build, extension
 and replica cuts that head's pieces so, and the newest cached version is cut again on the build
-thread (docs/service.md, "The audit")."""
+thread. A head whose halving did not mend it goes back and is settled, in the store too
+(`SETTLED_HEADS`), so that no replica halves it again (docs/service.md, "The audit")."""
 
 from __future__ import annotations
 
@@ -83,6 +84,9 @@ ContextId = tuple[str, str]  # namespace, context id
 MODES = ("tail", "topk")  # the modes that read an index
 # The store blob of a context's piece sizes chosen by the audit: {stored head: most keys}.
 AUDITED_PIECES = "audited-pieces.json"
+# The store blob of a context's stored heads that an audit settled (a halving did not mend them;
+# `Audit.to_cut`): a list, so that no replica, and no process started later, halves them again.
+SETTLED_HEADS = "audit-settled.json"
 
 logger = logging.getLogger(__name__)
 
@@ -882,16 +886,32 @@ class Engine:
     # it chooses are kept in the store, so that every replica's builds follow them.
 
     def _layer_audit(self, loaded: LoadedContext) -> Audit:
-        """The audit of the context's layer that `loaded` answers (made at its first call)."""
-        layer = loaded.heads.start // loaded.record["heads"] if loaded.heads else 0
+        """The audit of the context's layer that `loaded` answers (made at its first call,
+        `_new_audit`)."""
+        per_layer = loaded.record["heads"]
+        layer = loaded.heads.start // per_layer if loaded.heads else 0
         key = (*loaded.key[:2], layer)
         with self._lock:
             audit = self._audits.get(key)
-            if audit is None:
-                audit = self._audits[key] = Audit(
-                    loaded.keys.shape[0], self.audit_every, self.audit_window
-                )
-            return audit
+        if audit is None:
+            audit = self._new_audit(loaded.key[:2], layer, per_layer)
+            with self._lock:
+                audit = self._audits.setdefault(key, audit)
+        return audit
+
+    def _new_audit(self, context: ContextId, layer: int, per_layer: int) -> Audit:
+        """A layer's audit with nothing kept yet, its heads that an audit settled
+        (`SETTLED_HEADS`) settled."""
+        audit = Audit(per_layer, self.audit_every, self.audit_window)
+        for head in self.settled_heads(*context):
+            if head // per_layer == layer:
+                audit.settle(head % per_layer)
+        return audit
+
+    def settled_heads(self, namespace: str, context_id: str) -> list[int]:
+        """The context's stored heads that an audit settled (`SETTLED_HEADS`)."""
+        blob = self.store.get_blob(namespace, context_id, SETTLED_HEADS)
+        return json.loads(blob or b"[]")
 
     def _audit(
         self,
@@ -969,6 +989,9 @@ class Engine:
         failure is logged: the next audit that misses tries again."""
         try:
             chosen = self._choose_pieces(context, head, size, back)
+            if back:  # settled: no replica halves it again
+                settled = set(self.settled_heads(*context)) | {head}
+                self.store.put_blob(*context, SETTLED_HEADS, json.dumps(sorted(settled)).encode())
             with self._lock:
                 versions = [
                     loaded
@@ -1028,15 +1051,20 @@ class Engine:
         when none is cached); None without an audit."""
         if not self.audit_every:
             return None
+        context, per_layer = (namespace, record["id"]), record["heads"]
         with self._lock:
-            loaded = self._cache.get((namespace, record["id"], record["version"]))
+            loaded = self._cache.get((*context, record["version"]))
             clusters = loaded.clusters if loaded is not None else None
-            per_layer = record["heads"]
-            report = []
-            for layer in range(record.get("layers", 1)):
-                audit = self._audits.get((namespace, record["id"], layer))
-                # A layer not audited yet reports as a fresh audit does: nothing kept.
-                report += (audit or Audit(per_layer, self.audit_every)).report()
+            audits = [
+                self._audits.get((*context, layer)) for layer in range(record.get("layers", 1))
+            ]
+        report = []
+        for layer, audit in enumerate(audits):
+            if audit is None:  # not audited yet: as a fresh audit, with the settled heads
+                report += self._new_audit(context, layer, per_layer).report()
+                continue
+            with self._lock:
+                report += audit.report()
         for head, row in enumerate(report):
             row["max_keys"] = int(clusters[head].max_keys) if clusters else None
         return report

@@ -215,6 +215,16 @@ def test_a_head_whose_halving_does_not_mend_it_goes_back_and_is_settled():
         keys[0], values[0], GEOMETRY, max_cluster_keys=default[0], probed_pieces=False
     )
     _assert_same(loaded.clusters[0], expected)
+    # The store keeps them settled: another process halves neither.
+    assert engine.settled_heads("ns", "c") == [0, 1]
+    replica = _engine(store, audit_every=2)
+    assert [row["settled"] for row in replica.audit_report("ns", loaded.record)] == [True, True]
+    other = replica.context("ns", loaded.record)
+    for chunk in queries.split(512, dim=1):
+        replica.attend(other, chunk, TAIL)
+    replica.wait_for_audits()
+    assert ("ns", "c") not in replica._recuts
+    assert [int(clusters.max_keys) for clusters in other.clusters] == default
 
 
 def test_the_layers_of_a_document_are_audited_apart():
