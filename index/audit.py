@@ -13,9 +13,13 @@ A halving that does not mend a head is not repeated. Halving mends sharp heads, 
 keys are too spread for the estimate; it does not mend heads whose answers miss for other
 reasons (keys with no structure to cluster, answers near zero that make every relative error
 large), and each halving makes a head's calls dearer. So a head the audit halved is halved
-again only where its 99th percentile came down to `PROBE_GAIN` (0.8) of the one that cut it,
-the probes' rule (`tail/probe.py`); otherwise it is `settled`: its pieces go back to the size
-they had before that halving, and it is not cut again.
+again only where the share of its errors above the target came down to `PROBE_GAIN` (0.8) of
+the share that cut it, the probes' gain (`tail/probe.py`); otherwise it is `settled`: its
+pieces go back to the size they had before that halving, and it is not cut again. The share,
+not the 99th percentile, because the two verdicts may rest on different numbers of errors (an
+earlier verdict on a few dozen): a 99th percentile of a few dozen errors is about their
+largest, above that of a full window, while a share above the target is a fair estimate at
+any count.
 
 A head is judged as soon as its verdict is certain: when its window is full, or before, once so
 many of its errors are above the target that the full window's 99th percentile will be above it
@@ -68,7 +72,8 @@ class Audit:
         self._rows_seen = 0
         self._errors = [deque(maxlen=window) for _ in range(heads)]
         self._versions = [0] * heads  # per head, how many times its errors were forgotten
-        # per head `to_cut` halved: its version, 99th percentile and most keys then
+        # per head `to_cut` halved: its version, share of errors above the target and most
+        # keys then
         self._halved_at: dict[int, tuple[int, float, int]] = {}
         self._settled: set[int] = set()  # heads whose halving did not mend them
 
@@ -120,21 +125,22 @@ class Audit:
         `max_keys[head]` keys are to be cut again, and the size to cut them to; None when there
         is none. The size is half (a head whose half would be below `MIN_CLUSTER_KEYS` is left
         alone), unless the audit halved the head before and it was cut since (`clear`) and
-        that halving did not mend it, its 99th percentile now above `PROBE_GAIN` of the one it
-        had then: then the head is settled, never chosen again, and the size is the one it had
-        before that halving (module docstring)."""
+        that halving did not mend it, the share of its errors above `target` now above
+        `PROBE_GAIN` of the share it had then: then the head is settled, never chosen again,
+        and the size is the one it had before that halving (module docstring)."""
         for head in self.missing(target):
             if head in self._settled:
                 continue
-            p99 = _quantile(self._errors[head], QUANTILE)
-            version, p99_then, size_then = self._halved_at.get(head, (-1, math.inf, 0))
-            if version != self._versions[head] and p99 > PROBE_GAIN * p99_then:
+            kept = self._errors[head]
+            above = sum(error > target for error in kept) / len(kept)
+            version, above_then, size_then = self._halved_at.get(head, (-1, math.inf, 0))
+            if version != self._versions[head] and above > PROBE_GAIN * above_then:
                 self._settled.add(head)
                 if max_keys[head] < size_then:
                     return head, size_then
                 continue
             if max_keys[head] // 2 >= MIN_CLUSTER_KEYS:
-                self._halved_at[head] = self._versions[head], p99, max_keys[head]
+                self._halved_at[head] = self._versions[head], above, max_keys[head]
                 return head, max_keys[head] // 2
         return None
 
