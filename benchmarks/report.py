@@ -392,8 +392,8 @@ def _audited_lines(text: list[dict]) -> list[str]:
 
 
 def _first_cut(record: dict) -> str:
-    """When the audit first cut an `audited` record's head (records before that field: "")."""
-    queries = record.get("first_cut_queries")
+    """When the audit first cut an `audited` record's head ("" when it never did)."""
+    queries = record["first_cut_queries"]
     return f", first after {queries:,} queries" if queries else ""
 
 
@@ -771,12 +771,11 @@ def service_section(records: list[dict]) -> str:
         ]
         for r in audited:
             every = f"1 in {r['audit_every']}" if r["audit_every"] else "off"
-            cuts = f"{r['cuts']} / {r['settled_heads']}" if "cuts" in r else "-"
             lines.append(
-                f"| {r.get('pass', 1)} | {every} | {r['clients']} | "
+                f"| {r['pass']} | {every} | {r['clients']} | "
                 f"{r['p50_ms']:.0f} / {r['p99_ms']:.0f} ms | "
                 f"{r['requests_per_s']:.0f} | {r['server_cpu_ms_per_request']:.1f} ms | "
-                f"{r['audited_rows']} | {r['skipped_calls']} | {cuts} |"
+                f"{r['audited_rows']} | {r['skipped_calls']} | {r['cuts']} / {r['settled_heads']} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -329,14 +329,12 @@ def plot(records: list[dict], path: Path) -> None:
             clients = [r["clients"] for r in rows]
             left.plot(clients, [r["requests_per_s"] for r in rows], marker="o", label=label)
             right.plot(clients, [r["p99_ms"] for r in rows], marker="o", label=label)
-    audits = {(r.get("pass", 1), r["audit_every"]) for r in records if r["mode"] == "audit"}
+    audits = {(r["pass"], r["audit_every"]) for r in records if r["mode"] == "audit"}
     for measured_pass, every in sorted(audits):
         rows = [
             r
             for r in records
-            if r["mode"] == "audit"
-            and r.get("pass", 1) == measured_pass
-            and r["audit_every"] == every
+            if r["mode"] == "audit" and r["pass"] == measured_pass and r["audit_every"] == every
         ]
         audit = "off" if not every else f"1 in {every}"
         label = f"tail, audit {audit} (their own run, pass {measured_pass})"

@@ -113,12 +113,19 @@ class Audit:
         """The heads whose window's 99th percentile is above `target`, or will be once it is
         full: `certain_misses(window)` of its errors are above `target` already (a window that
         is not full loses none of them before it fills)."""
-        return [head for head, kept in enumerate(self._errors) if self._misses(kept, target)]
+        return [head for head, _ in self._missing(target)]
 
-    def _misses(self, kept: deque, target: float) -> bool:
-        if sum(error > target for error in kept) >= certain_misses(self.window):
-            return True
-        return len(kept) == self.window and _quantile(kept, QUANTILE) > target
+    def _missing(self, target: float) -> list[tuple[int, float]]:
+        """`missing`'s heads, each with the share of its errors above `target`."""
+        found = []
+        for head, kept in enumerate(self._errors):
+            errors = torch.tensor(list(kept), dtype=torch.float64)
+            above = int((errors > target).sum())
+            if above >= certain_misses(self.window) or (
+                len(kept) == self.window and errors.quantile(QUANTILE).item() > target
+            ):
+                found.append((head, above / len(kept)))
+        return found
 
     def to_cut(self, target: float, max_keys: list[int]) -> tuple[int, int] | None:
         """`(head, size)`: the first head `missing` the target whose pieces of at most
@@ -128,11 +135,9 @@ class Audit:
         that halving did not mend it, the share of its errors above `target` now above
         `PROBE_GAIN` of the share it had then: then the head is settled, never chosen again,
         and the size is the one it had before that halving (module docstring)."""
-        for head in self.missing(target):
+        for head, above in self._missing(target):
             if head in self._settled:
                 continue
-            kept = self._errors[head]
-            above = sum(error > target for error in kept) / len(kept)
             version, above_then, size_then = self._halved_at.get(head, (-1, math.inf, 0))
             if version != self._versions[head] and above > PROBE_GAIN * above_then:
                 self._settled.add(head)

@@ -894,16 +894,17 @@ class Engine:
         with self._lock:
             audit = self._audits.get(key)
         if audit is None:
-            audit = self._new_audit(loaded.key[:2], layer, per_layer)
+            settled = self.settled_heads(*loaded.key[:2])
+            audit = self._new_audit(layer, per_layer, settled)
             with self._lock:
                 audit = self._audits.setdefault(key, audit)
         return audit
 
-    def _new_audit(self, context: ContextId, layer: int, per_layer: int) -> Audit:
-        """A layer's audit with nothing kept yet, its heads that an audit settled
-        (`SETTLED_HEADS`) settled."""
+    def _new_audit(self, layer: int, per_layer: int, settled: list[int]) -> Audit:
+        """A layer's audit with nothing kept yet, its heads among the context's `settled`
+        stored heads (`settled_heads`) settled."""
         audit = Audit(per_layer, self.audit_every, self.audit_window)
-        for head in self.settled_heads(*context):
+        for head in settled:
             if head // per_layer == layer:
                 audit.settle(head % per_layer)
         return audit
@@ -1058,10 +1059,12 @@ class Engine:
             audits = [
                 self._audits.get((*context, layer)) for layer in range(record.get("layers", 1))
             ]
+        # Layers not audited yet report as fresh audits, with the settled heads.
+        settled = self.settled_heads(*context) if None in audits else []
         report = []
         for layer, audit in enumerate(audits):
-            if audit is None:  # not audited yet: as a fresh audit, with the settled heads
-                report += self._new_audit(context, layer, per_layer).report()
+            if audit is None:
+                report += self._new_audit(layer, per_layer, settled).report()
                 continue
             with self._lock:
                 report += audit.report()
