@@ -118,8 +118,8 @@ class RemoteMemory(nn.Module):
     def audit_report(self) -> list[dict]:
         """Per head, what the audit of the replica that answers measured of this context
         (`REWA_AUDIT_EVERY`; docs/service.md, "The audit"), as `LocalMemory.audit_report`:
-        `audited`, `err_median`, `err_p99` and `max_keys`. ValueError when the service does not
-        audit."""
+        `audited`, `err_median`, `err_p99`, `settled` and `max_keys`. ValueError when the
+        service does not audit."""
         return context_audit(self.client, self.context_id)
 
     def close(self) -> None:

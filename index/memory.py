@@ -246,8 +246,9 @@ class LocalMemory:
 
     def audit_report(self) -> list[dict]:
         """Per head: `audited` (the errors kept, at most `audit_window`), their `err_median` and
-        `err_p99` (None while none is kept) and, in tail mode, `max_keys`, the most keys of
-        the head's pieces (0 before its first index). An error is `||out - exact|| /
+        `err_p99` (None while none is kept), `settled` (a halving did not mend it: it is not
+        cut again) and, in tail mode, `max_keys`, the most keys of the head's pieces (0 before
+        its first index). An error is `||out - exact|| /
         ||exact||` of one audited query row's answer."""
         if self._audit is None:
             raise ValueError("this memory has no audit: construct it with audit_every >= 1")

@@ -734,7 +734,7 @@ async def get_index_state(
     """What this replica holds of the context's latest version (loaded, indexes built)."""
     record = await _stored(store.get, namespace, context_id)
     state = engine.index_state(namespace, record)
-    audit = engine.audit_report(namespace, record)
+    audit = await _stored(engine.audit_report, namespace, record)  # reads the settled heads
     return IndexState(context_id=context_id, version=record["version"], audit=audit, **state)
 
 
@@ -768,7 +768,7 @@ async def build_index(
         await _await_builds(builds)
     seconds = time.perf_counter() - start
     state = engine.index_state(namespace, record)
-    audit = engine.audit_report(namespace, record)
+    audit = await _stored(engine.audit_report, namespace, record)  # reads the settled heads
     return IndexState(
         context_id=context_id, version=record["version"], seconds=seconds, audit=audit, **state
     )
