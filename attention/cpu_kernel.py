@@ -5,7 +5,7 @@ chain of element-wise stages (`numerics.STAGES`), the terms' weighted sum and an
 step. Run one operation at a time, every stage is a pass over the tile, and `asin` and `log1p`
 run well below the machine's vector speed: the product geometry's element-wise work cost four
 times its matrix products. Compiled by TorchInductor's C++ backend, the same Python functions
-(`dense.combine_terms_`, `dense.softmax_step`; one kernel for both in a tile that no mask
+(`numerics.combine_terms_`, `dense.softmax_step`; one kernel for both in a tile that no mask
 touches) become vectorised loops (docs/mathematics.md,
 "Fused dense attention"; docs/benchmark-notes.md, "Compiled CPU tiles (issue 27)").
 

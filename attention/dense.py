@@ -19,17 +19,16 @@ import torch
 from . import cpu_kernel, cuda_kernel
 from .allocator import retain_freed_memory
 from .dot import DotProduct
-from .geometry import Geometry, ScoreTerm, check_attention_inputs
+from .geometry import Geometry, ScoreTerm, check_attention_inputs, combined_logits
 from .numerics import (
     NearScreen,
     NearScreens,
     Stage,
-    apply_stages_,
+    combine_terms_,
     compute_dtype,
     exp2_of_shifted_,
     exp_of_shifted_,
     near_pairs,
-    refine_near_pairs,
     screened_row_minima,
     with_pairs_recomputed,
 )
@@ -315,11 +314,8 @@ def _combined_logits(
         logits = _compiled_tile(products, compiled, rows, cols)
         if logits is not None:
             return logits
-    products = [
-        product if term.near is None else refine_near_pairs(product, *term.near.rows(rows, cols))
-        for product, term in zip(products, terms, strict=True)
-    ]
-    return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
+    near = [None if term.near is None else term.near.rows(rows, cols) for term in terms]
+    return combined_logits(products, terms, near)
 
 
 def _tile_step(
@@ -501,29 +497,6 @@ def _combine_softmax_and_screen(
     for a tile that no mask touches (one kernel call instead of two)."""
     logits, minima = _combine_and_screen(products, stages, weights, column_scales)
     return softmax_step(logits, running_max, may_be_masked), minima
-
-
-def combine_terms_(
-    products: list[torch.Tensor],
-    stages: list[tuple[Stage, ...]],
-    weights: list[torch.Tensor | float],
-) -> torch.Tensor:
-    """The logits `sum_i weights[i] * stages[i](products[i])` of a product form, computed in place
-    in the products."""
-    logits = None
-    for product, term_stages, weight in zip(products, stages, weights, strict=True):
-        value = apply_stages_(product, term_stages)
-        if logits is None:
-            logits = value if _is_one(weight) else value.mul_(weight)
-        elif _is_one(weight):
-            logits.add_(value)
-        else:
-            logits.addcmul_(value, torch.as_tensor(weight, dtype=value.dtype))
-    return logits
-
-
-def _is_one(weight: torch.Tensor | float) -> bool:
-    return isinstance(weight, float | int) and weight == 1
 
 
 def softmax_step(

@@ -45,6 +45,9 @@ class Euclidean(DistanceGeometry):
         return distance_matrix(qw, kw, scale)
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        logits = self.score_from_terms(qw, kw)
+        if logits is not None:
+            return logits
         if self.power == 2:
             squared = gram_squared_distance(qw, kw).clamp_min(0)
             return squared * per_head(-1 / self.temperature())

@@ -18,10 +18,21 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .numerics import Stage, inverse_softplus
+from .numerics import (
+    NearScreens,
+    Stage,
+    combine_terms_,
+    inverse_softplus,
+    near_pairs,
+    refine_near_pairs,
+    screened_row_minima,
+    with_pairs_recomputed,
+)
 
 Metric = Literal["l2", "ip"]
 Role = Literal["query", "key"]
+_TERM_DTYPES = (torch.float32, torch.float64)
+"""Dtypes `Geometry.score_from_terms` computes in (half precision goes through `score`)."""
 
 
 class DomainError(ValueError):
@@ -98,6 +109,80 @@ def distance_logit_term(term: DistanceTerm, weight: torch.Tensor, power: int) ->
     return ScoreTerm(term.queries, term.keys, stages, weight * term.factor**2, term.near)
 
 
+def combined_logits(
+    products: list[torch.Tensor], terms: list[ScoreTerm], near: list[NearPairs | None]
+) -> torch.Tensor:
+    """The logits of a product form from its terms' `products` `(..., nq, nk)`, computed in
+    place in them: each product's near pairs recomputed (`near`, per term: the pairs of that
+    product, None for a term without), then the terms' stages and weights
+    (`numerics.combine_terms_`)."""
+    products = [
+        product if pairs is None else refine_near_pairs(product, *pairs)
+        for product, pairs in zip(products, near, strict=True)
+    ]
+    return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
+
+
+class TileLogits:
+    """A geometry's logits of queries `(..., nq, d_w)` against keys `(..., nk, d_w)`, tile by
+    tile, from its product form (`Geometry.score_terms`) made once for all of them: a tile costs
+    one matrix product per term, its near pairs (found by screens also made once,
+    `numerics.NearScreens`) and the stages and weights in place. Block-sparse attention scores
+    many small tiles of the same queries and keys (tail attention's visited clusters), where
+    making each tile's operands and screens anew cost more than its products. Without
+    autograd only (`of`)."""
+
+    def __init__(self, terms: list[ScoreTerm]) -> None:
+        self.terms = terms
+        self.screens = [
+            None if term.near is None else NearScreens(*term.near, term.queries.dtype)
+            for term in terms
+        ]
+
+    @classmethod
+    def of(cls, geometry: Geometry, qw: torch.Tensor, kw: torch.Tensor) -> TileLogits | None:
+        """The tiles of `geometry`'s logits of `qw` against `kw`; None where autograd would
+        record them, the witnesses are not float32 or float64 (half precision goes through
+        `score`), the geometry has no product form, or a term's products broadcast to another
+        shape than the others' (its weights per head against witnesses without a head axis):
+        the terms cannot be summed in place then."""
+        if qw.dtype not in _TERM_DTYPES or kw.dtype != qw.dtype or _records_grad(geometry, qw, kw):
+            return None
+        terms = geometry.score_terms(qw, kw)
+        if terms is None:
+            return None
+        products = {torch.broadcast_shapes(t.queries.shape[:-2], t.keys.shape[:-2]) for t in terms}
+        logits = {_term_batch_shape(term) for term in terms}
+        return cls(terms) if len(products) == 1 and logits == products else None
+
+    def tile(self, rows: slice, cols: slice) -> torch.Tensor:
+        """The logits `(..., rows, cols)` as a new tensor: the same as `Geometry.score` of those
+        queries and keys."""
+        products = [
+            term.queries[..., rows, :] @ term.keys[..., cols, :].transpose(-1, -2)
+            for term in self.terms
+        ]
+        for i, (screens, term) in enumerate(zip(self.screens, self.terms, strict=True)):
+            if screens is None:
+                continue
+            screen = screens.tile(products[i].shape, rows, cols)
+            row_min = screened_row_minima(products[i], screen.column_scale)
+            index = near_pairs(products[i], row_min, screen)
+            if index is not None:
+                near = term.near.rows(rows, cols)
+                products[i] = with_pairs_recomputed(products[i], index, *near)
+        return combine_terms_(
+            products, [t.stages for t in self.terms], [t.weight for t in self.terms]
+        )
+
+
+def _term_batch_shape(term: ScoreTerm) -> torch.Size:
+    """The batch shape of a term's logits, its weight's broadcasting included."""
+    batch = torch.broadcast_shapes(term.queries.shape[:-2], term.keys.shape[:-2])
+    weight = torch.as_tensor(term.weight).shape
+    return torch.broadcast_shapes((*batch, 1, 1), weight)[:-2]
+
+
 def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:
     """Dense similarities `(..., nq, nk)` of lifted queries and keys: the inner product
     (`"ip"`) or the negated squared L2 distance (`"l2"`); larger is better in both."""
@@ -109,6 +194,15 @@ def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:
     squared_q = query.vectors.square().sum(-1, keepdim=True)
     squared_k = key.vectors.square().sum(-1).unsqueeze(-2)
     return 2 * inner - squared_q - squared_k
+
+
+def _records_grad(module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an operation on `tensors` and `module`'s parameters."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t.requires_grad for t in tensors) or any(
+        p.requires_grad for p in module.parameters()
+    )
 
 
 def per_head(param: torch.Tensor) -> torch.Tensor:
@@ -180,6 +274,16 @@ class Geometry(nn.Module):
         kernels; None (the default) when the geometry has none, and kernels call `score` per
         tile instead."""
         return None
+
+    def score_from_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor | None:
+        """`score` from its product form, where autograd records nothing (`TileLogits`, the
+        whole matrix as one tile): one matrix product per term, then the element-wise stages
+        in place, where `score` makes a new tensor per operation. The same logits; on a CPU
+        each matrix-sized tensor costs a pass and, where the allocator hands back fresh memory,
+        its page faults (docs/benchmark-notes.md, "Block logits from the product form"). None
+        where `TileLogits.of` gives none; the caller then computes `score` as usual."""
+        tiles = TileLogits.of(self, qw, kw)
+        return None if tiles is None else tiles.tile(slice(None), slice(None))
 
     def score_at(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         """Logits `(..., nq, C)` of each query `(..., nq, d_w)` against its own gathered
@@ -321,6 +425,9 @@ class DistanceGeometry(Geometry):
         return [distance_logit_term(term, weight, self.power) for term in terms]
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        logits = self.score_from_terms(qw, kw)
+        if logits is not None:
+            return logits
         inverse_tau = per_head(1 / self.temperature())
         if self.power == 2:
             return self.distance_matrix(qw, kw, inverse_tau.sqrt()).square().neg()

@@ -360,3 +360,26 @@ def apply_stages_(x: torch.Tensor, stages: tuple[Stage, ...]) -> torch.Tensor:
     for stage in stages:
         x = STAGES[stage](x)
     return x
+
+
+def combine_terms_(
+    products: list[torch.Tensor],
+    stages: list[tuple[Stage, ...]],
+    weights: list[torch.Tensor | float],
+) -> torch.Tensor:
+    """The logits `sum_i weights[i] * stages[i](products[i])` of a product form, computed in place
+    in the products."""
+    logits = None
+    for product, term_stages, weight in zip(products, stages, weights, strict=True):
+        value = apply_stages_(product, term_stages)
+        if logits is None:
+            logits = value if _is_one(weight) else value.mul_(weight)
+        elif _is_one(weight):
+            logits.add_(value)
+        else:
+            logits.addcmul_(value, torch.as_tensor(weight, dtype=value.dtype))
+    return logits
+
+
+def _is_one(weight: torch.Tensor | float) -> bool:
+    return isinstance(weight, float | int) and weight == 1

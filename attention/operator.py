@@ -121,6 +121,9 @@ class Operator(Geometry):
         return per_head(1 / self.temperature())
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
+        logits = self.score_from_terms(qw, kw)
+        if logits is not None:
+            return logits
         return self.squared_distance_matrix(qw, kw) * -self._inverse_tau()
 
     def score_terms(self, qw: torch.Tensor, kw: torch.Tensor) -> list[ScoreTerm] | None:

@@ -159,7 +159,11 @@ class ProductGeometry(Geometry):
 
     def score(self, qw: torch.Tensor, kw: torch.Tensor) -> torch.Tensor:
         """Each component's weight and the temperature fold into that component's last
-        multiplication, `-(w/tau) d` (p = 1) or `-(sqrt(w/tau) d)^2` (p = 2), then a sum."""
+        multiplication, `-(w/tau) d` (p = 1) or `-(sqrt(w/tau) d)^2` (p = 2), then a sum
+        (without autograd, from the product form: `Geometry.score_from_terms`)."""
+        logits = self.score_from_terms(qw, kw)
+        if logits is not None:
+            return logits
         q_parts, k_parts = self.split(qw), self.split(kw)
         weights = self._weights_for(qw)
         inverse_tau = per_head(1 / self.temperature())

@@ -396,7 +396,7 @@ def test_gradients_pass_through_a_bfloat16_value_shift(monkeypatch):
     assert output_error(gradients[True], gradients[False]).max() < 0.01
 
 
-@pytest.mark.parametrize("name", ["dot", "sphere"])
+@pytest.mark.parametrize("name", TAIL_GEOMETRIES)
 def test_the_differentiable_and_the_shared_reference_exact_parts_agree(name):
     """With autograd on, the exact part is one softmax per cluster, merged (for gradients);
     under no_grad every weight of a query is taken relative to one reference and the sums add

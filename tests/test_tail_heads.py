@@ -76,6 +76,29 @@ def test_heads_in_one_call_equal_one_call_per_head(name, options):
     assert (keys_read > 0).all()
 
 
+@pytest.mark.parametrize("name", ["euclidean", "sphere", "poincare", "product"])
+def test_the_visited_clusters_tiles_equal_their_scores(monkeypatch, name):
+    # Under no_grad the exact part scores each head's visited clusters as tiles of one product
+    # form over the head's rows and its visited keys gathered once (`TileLogits`); the same
+    # answers as `score` per cluster, window and sink keys included.
+    geometry = build_geometry(name, DIM)
+    queries, _, _, clusters = _heads(geometry)
+    heads = ClusterHeads.stacked(clusters)
+    always = torch.cat([torch.arange(3), torch.arange(1450, 1500)])
+    made = []
+    tiles_of = exact_module.TileLogits.of
+    monkeypatch.setattr(
+        exact_module.TileLogits, "of", lambda *args: made.append(1) or tiles_of(*args)
+    )
+    with torch.no_grad():
+        tiled = tail_attention_heads(queries, heads, budget=0.05, always=always)
+        assert len(made) >= HEADS  # a product form per head, at least
+        monkeypatch.setattr(exact_module.TileLogits, "of", lambda *args: None)
+        scored = tail_attention_heads(queries, heads, budget=0.05, always=always)
+    for got, expected in zip(tiled, scored, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["dot", "product"])
 def test_the_compiled_value_shift_equals_the_products(monkeypatch, name):
     """A decode step's few queries per head take the compiled value shift (every lift of a

@@ -4,10 +4,13 @@ place, merged per query (docs/mathematics.md 7)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import numpy as np
 import torch
 
-from rewa.attention import DotProduct
+from rewa.attention import DotProduct, Geometry
+from rewa.attention.geometry import TileLogits
 from rewa.attention.sparse import softmax_attend
 
 from ..block_scoring import block_scorer
@@ -233,16 +236,67 @@ def _cluster_product_sums(
             queries, heads, runs, bias, is_always, has_always, weighted_values, weight_sums
         )
     else:
-        for head, cluster, part, keys in runs:
-            clusters = heads[head]
-            weights = score(queries[part], clusters.keys_w[keys], bias[part])
-            if (head, cluster) in has_always:
-                weights = weights.masked_fill_(is_always[head][keys], float("-inf"))
-            weights = weights.exp_()
-            torch.mm(weights, clusters.values[keys], out=weighted_values[part])
-            torch.sum(weights, dim=-1, out=weight_sums[part])
+        for head_runs in _runs_by_head(runs):
+            logits = _head_tile_logits(geometry, queries, heads, head_runs)
+            for (head, cluster, part, keys), tile in zip(head_runs, logits, strict=True):
+                clusters = heads[head]
+                if tile is None:
+                    weights = score(queries[part], clusters.keys_w[keys], bias[part])
+                else:
+                    weights = tile.add_(bias[part])
+                if (head, cluster) in has_always:
+                    weights = weights.masked_fill_(is_always[head][keys], float("-inf"))
+                weights = weights.exp_()
+                torch.mm(weights, clusters.values[keys], out=weighted_values[part])
+                torch.sum(weights, dim=-1, out=weight_sums[part])
     out = _rows_added(weighted_values.new_zeros(n_rows, value_dim), rows, weighted_values)
     return out, weight_sums.new_zeros(n_rows).index_add_(0, rows, weight_sums)
+
+
+def _runs_by_head(
+    runs: list[tuple[int, int, slice, slice]],
+) -> list[list[tuple[int, int, slice, slice]]]:
+    """The runs of `_runs_by_cluster` (sorted by head) split into one list per head."""
+    by_head: list[list[tuple[int, int, slice, slice]]] = []
+    for run in runs:
+        if not by_head or by_head[-1][0][0] != run[0]:
+            by_head.append([])
+        by_head[-1].append(run)
+    return by_head
+
+
+def _head_tile_logits(
+    geometry: Geometry,
+    queries: torch.Tensor,
+    heads: list[KeyClusters],
+    head_runs: list[tuple[int, int, slice, slice]],
+) -> Iterable[torch.Tensor | None]:
+    """For one head's runs, each visited cluster's logits (without the bias) from one product
+    form (`TileLogits`) of the head's query rows against its visited clusters' keys, gathered
+    once: per cluster its products and in-place stages, instead of `score` making the
+    operands and near-pair screens of every cluster anew (docs/benchmark-notes.md, "Block
+    logits from the product form"). Lazily, one tile per run; None for every run where the
+    geometry has no product form (then `score` per cluster)."""
+    clusters = heads[head_runs[0][0]]
+    first, last = head_runs[0][2].start, head_runs[-1][2].stop
+    key_slices = [keys for _, _, _, keys in head_runs]
+    gathered = torch.cat([torch.arange(k.start, k.stop) for k in key_slices])
+    tiles = TileLogits.of(geometry, queries[first:last], clusters.keys_w.index_select(0, gathered))
+    if tiles is None:
+        return [None] * len(head_runs)
+    return _tiles_of_runs(tiles, head_runs, first)
+
+
+def _tiles_of_runs(
+    tiles: TileLogits, head_runs: list[tuple[int, int, slice, slice]], first: int
+) -> Iterator[torch.Tensor]:
+    """`tiles.tile` of each run in turn: its rows (from `first`) against its keys' place among
+    the gathered keys."""
+    start = 0
+    for _, _, part, keys in head_runs:
+        size = keys.stop - keys.start
+        yield tiles.tile(slice(part.start - first, part.stop - first), slice(start, start + size))
+        start += size
 
 
 def _dot_product_sums(
