@@ -46,6 +46,10 @@ DEVICE_ESTIMATE_BLOCK = 65536
 # and the logits of one chunk of such blocks at most (elements; 2^26 are 256 MiB in float32).
 PAIRS_PER_BLOCK = 128
 PADDED_CHUNK_ELEMENTS = 1 << 26
+BLOCK_LOGITS = 1 << 21
+"""Logits of one block of `_running_attention` at most (8 MB in float32, a dense CPU tile's
+size): a list that most queries probe is scored in blocks of its queries, not in one matrix
+of gigabytes (docs/benchmark-notes.md, "Block logits from the product form")."""
 SHORTLIST = 2  # lists estimated per probed list, picked by their keys' mean similarity
 
 
@@ -295,32 +299,35 @@ def _running_attention(
     probes a list at most once, so the rows of one block are distinct queries. Each probed
     list's keys and values are gathered when it is scored: lists no query probes are never
     read, and no copy of every key is made (at 1M keys and 4096 queries that copy cost more
-    than the attention)."""
+    than the attention). A list's queries are scored in blocks of at most `BLOCK_LOGITS`
+    logits: on `tree` (131,072 keys) one list of 1985 keys is probed by 128,070 queries."""
     n_queries = queries_w.shape[0]
     queries_w, score = block_scorer(geometry, queries_w)
     top = queries_w.new_full((n_queries,), float("-inf"))
     total = queries_w.new_zeros(n_queries)
     out = values.new_zeros(n_queries, values.shape[-1])
     for cell, ids in enumerate(lists):
-        start, stop = bounds[cell], bounds[cell + 1]
-        if start == stop or ids.numel() == 0:
+        if bounds[cell] == bounds[cell + 1] or ids.numel() == 0:
             continue
-        queries = pair_query[start:stop]
-        logits = score(queries_w.index_select(0, queries), keys_w.index_select(0, ids))
-        if positions is not None:
-            late = ids > positions[queries].unsqueeze(-1)
-            logits = logits.masked_fill_(late, float("-inf"))
-        top_before = top.index_select(0, queries)
-        top_after = torch.maximum(top_before, logits.amax(-1))
-        # Rows with no finite logit yet keep a reference of 0: their weights are all 0.
-        reference = torch.where(torch.isfinite(top_after), top_after, 0.0)
-        weights = logits.sub_(reference.unsqueeze(-1)).exp_()
-        rescale = (top_before - reference).exp_().unsqueeze(-1)
-        weighted = out.index_select(0, queries).mul_(rescale)
-        out.index_copy_(0, queries, weighted.addmm_(weights, values.index_select(0, ids)))
-        summed = total.index_select(0, queries).mul_(rescale[:, 0]).add_(weights.sum(-1))
-        total.index_copy_(0, queries, summed)
-        top.index_copy_(0, queries, top_after)
+        list_keys, list_values = keys_w.index_select(0, ids), values.index_select(0, ids)
+        rows = max(1, BLOCK_LOGITS // ids.numel())
+        for start in range(bounds[cell], bounds[cell + 1], rows):
+            queries = pair_query[start : min(start + rows, bounds[cell + 1])]
+            logits = score(queries_w.index_select(0, queries), list_keys)
+            if positions is not None:
+                late = ids > positions[queries].unsqueeze(-1)
+                logits = logits.masked_fill_(late, float("-inf"))
+            top_before = top.index_select(0, queries)
+            top_after = torch.maximum(top_before, logits.amax(-1))
+            # Rows with no finite logit yet keep a reference of 0: their weights are all 0.
+            reference = torch.where(torch.isfinite(top_after), top_after, 0.0)
+            weights = logits.sub_(reference.unsqueeze(-1)).exp_()
+            rescale = (top_before - reference).exp_().unsqueeze(-1)
+            weighted = out.index_select(0, queries).mul_(rescale)
+            out.index_copy_(0, queries, weighted.addmm_(weights, list_values))
+            summed = total.index_select(0, queries).mul_(rescale[:, 0]).add_(weights.sum(-1))
+            total.index_copy_(0, queries, summed)
+            top.index_copy_(0, queries, top_after)
     seen = total > 0
     out = out / torch.where(seen, total, 1).unsqueeze(-1)
     lse = torch.where(seen, top + total.log(), float("-inf"))

@@ -27,6 +27,7 @@ from rewa.index import (
     topk_recall,
 )
 from rewa.index import faiss_index as faiss_module
+from rewa.index import ivf_blocks as ivf_blocks_module
 from rewa.index import lsh as lsh_module
 from tests.support import build_geometry, ivf_list_attention
 
@@ -506,9 +507,14 @@ def test_causal_block_attention_reads_every_probed_list():
 
 @pytest.mark.parametrize("name", ["dot", "poincare"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ivf_block_attention_is_the_same_with_and_without_autograd(name, causal):
-    """Without autograd the probed lists fold into a running softmax per query; with it, each
+@pytest.mark.parametrize("block_logits", [ivf_blocks_module.BLOCK_LOGITS, 200])
+def test_ivf_block_attention_is_the_same_with_and_without_autograd(
+    name, causal, block_logits, monkeypatch
+):
+    """Without autograd the probed lists fold into a running softmax per query, in blocks of
+    at most `BLOCK_LOGITS` logits (200: a few queries of a list at a time); with it, each
     list's partial result is kept and merged. Both attend to the same keys."""
+    monkeypatch.setattr(ivf_blocks_module, "BLOCK_LOGITS", block_logits)
     g = build_geometry(name, 8)
     x = torch.randn(400, 8, dtype=torch.float64) * 0.5
     v = torch.randn(400, 3, dtype=torch.float64)
