@@ -308,6 +308,17 @@ def rerun_audited(records: list[dict], n: int, layers: list[int]) -> list[dict]:
     ]
 
 
+def replace_other_geometries(records: list[dict], fresh: list[dict]) -> list[dict]:
+    """`records` with each record of a geometry other than the dot product replaced, in its
+    place, by the one of `fresh` (measured again, in the same order)."""
+    replaced = [r for r in records if r["geometry"] != "dot"]
+    keys = ("dataset", "layer", "geometry", "head", "mode", "budget")
+    if [[r.get(k) for k in keys] for r in replaced] != [[r.get(k) for k in keys] for r in fresh]:
+        raise ValueError("the records measured again are not those of the JSON")
+    fresh_records = iter(fresh)
+    return [r if r["geometry"] == "dot" else next(fresh_records) for r in records]
+
+
 def plot(records: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -447,8 +458,9 @@ def main() -> None:
         kept = json.loads((args.out / "tail.json").read_text())
         others = [name for name in args.geometries if name != "dot"]
         datasets = [name for name in args.datasets if name not in TEXT_CORPORA or name == "text"]
-        fresh = run(datasets, args.n, others, [DEFAULT_LAYER], cluster_options)
-        records = [r for r in kept if r["geometry"] == "dot"] + fresh
+        records = replace_other_geometries(
+            kept, run(datasets, args.n, others, [DEFAULT_LAYER], cluster_options)
+        )
     else:
         records = run(args.datasets, args.n, args.geometries, args.layers, cluster_options)
     args.out.mkdir(parents=True, exist_ok=True)
