@@ -138,6 +138,11 @@ class TileLogits:
             None if term.near is None else NearScreens(*term.near, term.queries.dtype)
             for term in terms
         ]
+        # The largest near-pair bound of any entry (`NearScreens`): a tile whose smallest
+        # entry lies above it has no near pair, and skips its screen (most tiles).
+        self.largest_bounds = [
+            None if s is None else float(s.scale * _largest_near_bound(s)) for s in self.screens
+        ]
 
     @classmethod
     def of(cls, geometry: Geometry, qw: torch.Tensor, kw: torch.Tensor) -> TileLogits | None:
@@ -163,7 +168,7 @@ class TileLogits:
             for term in self.terms
         ]
         for i, (screens, term) in enumerate(zip(self.screens, self.terms, strict=True)):
-            if screens is None:
+            if screens is None or products[i].amin().item() > self.largest_bounds[i]:
                 continue
             screen = screens.tile(products[i].shape, rows, cols)
             row_min = screened_row_minima(products[i], screen.column_scale)
@@ -174,6 +179,14 @@ class TileLogits:
         return combine_terms_(
             products, [t.stages for t in self.terms], [t.weight for t in self.terms]
         )
+
+
+def _largest_near_bound(screens: NearScreens) -> torch.Tensor:
+    """An upper bound of `(x2[i] + y2[j]) x_weight[i] y_weight[j]` over every entry."""
+    if screens.x2.numel() == 0 or screens.y2.numel() == 0:
+        return screens.x2.new_zeros(())
+    largest = screens.x2.amax() + screens.y2.amax()
+    return largest * screens.x_weight.amax() * screens.y_weight.amax()
 
 
 def _term_batch_shape(term: ScoreTerm) -> torch.Size:
