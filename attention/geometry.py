@@ -168,7 +168,9 @@ class TileLogits:
             for term in self.terms
         ]
         for i, (screens, term) in enumerate(zip(self.screens, self.terms, strict=True)):
-            if screens is None or products[i].amin().item() > self.largest_bounds[i]:
+            if screens is None or products[i].numel() == 0:
+                continue
+            if products[i].amin().item() > self.largest_bounds[i]:
                 continue
             screen = screens.tile(products[i].shape, rows, cols)
             row_min = screened_row_minima(products[i], screen.column_scale)
