@@ -19,7 +19,7 @@ import torch
 from . import cpu_kernel, cuda_kernel
 from .allocator import retain_freed_memory
 from .dot import DotProduct
-from .geometry import Geometry, ScoreTerm, check_attention_inputs, combined_logits
+from .geometry import Geometry, ScoreTerm, check_attention_inputs
 from .numerics import (
     NearScreen,
     NearScreens,
@@ -29,6 +29,7 @@ from .numerics import (
     exp2_of_shifted_,
     exp_of_shifted_,
     near_pairs,
+    refine_near_pairs,
     screened_row_minima,
     with_pairs_recomputed,
 )
@@ -314,8 +315,11 @@ def _combined_logits(
         logits = _compiled_tile(products, compiled, rows, cols)
         if logits is not None:
             return logits
-    near = [None if term.near is None else term.near.rows(rows, cols) for term in terms]
-    return combined_logits(products, terms, near)
+    products = [
+        product if term.near is None else refine_near_pairs(product, *term.near.rows(rows, cols))
+        for product, term in zip(products, terms, strict=True)
+    ]
+    return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
 
 
 def _tile_step(

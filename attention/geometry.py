@@ -24,7 +24,6 @@ from .numerics import (
     combine_terms_,
     inverse_softplus,
     near_pairs,
-    refine_near_pairs,
     screened_row_minima,
     with_pairs_recomputed,
 )
@@ -109,20 +108,6 @@ def distance_logit_term(term: DistanceTerm, weight: torch.Tensor, power: int) ->
     return ScoreTerm(term.queries, term.keys, stages, weight * term.factor**2, term.near)
 
 
-def combined_logits(
-    products: list[torch.Tensor], terms: list[ScoreTerm], near: list[NearPairs | None]
-) -> torch.Tensor:
-    """The logits of a product form from its terms' `products` `(..., nq, nk)`, computed in
-    place in them: each product's near pairs recomputed (`near`, per term: the pairs of that
-    product, None for a term without), then the terms' stages and weights
-    (`numerics.combine_terms_`)."""
-    products = [
-        product if pairs is None else refine_near_pairs(product, *pairs)
-        for product, pairs in zip(products, near, strict=True)
-    ]
-    return combine_terms_(products, [term.stages for term in terms], [t.weight for t in terms])
-
-
 class TileLogits:
     """A geometry's logits of queries `(..., nq, d_w)` against keys `(..., nk, d_w)`, tile by
     tile, from its product form (`Geometry.score_terms`) made once for all of them: a tile costs
@@ -151,7 +136,7 @@ class TileLogits:
         `score`), the geometry has no product form, or a term's products broadcast to another
         shape than the others' (its weights per head against witnesses without a head axis):
         the terms cannot be summed in place then."""
-        if qw.dtype not in _TERM_DTYPES or kw.dtype != qw.dtype or _records_grad(geometry, qw, kw):
+        if qw.dtype not in _TERM_DTYPES or kw.dtype != qw.dtype or records_grad(geometry, qw, kw):
             return None
         terms = geometry.score_terms(qw, kw)
         if terms is None:
@@ -211,8 +196,9 @@ def lift_similarity(query: Lift, key: Lift) -> torch.Tensor:
     return 2 * inner - squared_q - squared_k
 
 
-def _records_grad(module: nn.Module, *tensors: torch.Tensor) -> bool:
-    """Whether autograd would record an operation on `tensors` and `module`'s parameters."""
+def records_grad(module: nn.Module, *tensors: torch.Tensor) -> bool:
+    """Whether autograd would record an operation on `tensors` and `module`'s parameters (a
+    geometry's trainable temperature enters every logit)."""
     if not torch.is_grad_enabled():
         return False
     return any(t.requires_grad for t in tensors) or any(

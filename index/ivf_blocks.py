@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rewa.attention import Geometry, merge_attention, merge_stacked
+from rewa.attention.geometry import records_grad
 from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import softmax_attend
 
@@ -237,7 +238,7 @@ def ivf_block_attention(
     gradient); pass witnesses computed under autograd for gradients to the keys."""
     geometry: Geometry = index.geometry
     keys_w = index.keys if keys_w is None else keys_w
-    needs_grad = _needs_grad(queries_w, keys_w, values, *geometry.parameters())
+    needs_grad = records_grad(geometry, queries_w, keys_w, values)
     if queries_w.device.type != "cpu" and not needs_grad:
         _, probes = _probes(index, queries_w, positions is not None)
         layout = index.parts[0].list_layout(queries_w.device)
@@ -275,12 +276,6 @@ def ivf_block_attention(
         )
     )
     return merge_attention(*parts)
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether autograd would record an operation on these tensors (the inputs and the
-    geometry's parameters, such as a trainable temperature, which enter every logit)."""
-    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
 
 
 def _running_attention(

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from rewa.attention import Geometry
+from rewa.attention.geometry import records_grad
 from rewa.attention.numerics import compute_dtype
 from rewa.attention.sparse import attend_scored
 
@@ -56,7 +57,7 @@ def fused_lsh_applies(
         return False
     if any(t.device.type != "cpu" for t in (q, k, v, index.order)):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, *geometry.parameters())):
+    if records_grad(geometry, q, k, v):
         return False
     return inner_product_geometry(geometry)
 

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from rewa.attention import DotProduct
+from rewa.attention.geometry import records_grad
 
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
-from .exact import _needs_grad
 from .kernel import _compiled, _estimate_rows, _head_shift, _head_sums
 from .kernel import compile_ahead as kernel_compile_ahead
 from .selection import ordinary_averages, walk_widths
@@ -67,7 +67,7 @@ def compiled_step_applies(
         and tail
         and not measured_queries
         and (always is None or always.numel() == 0)
-        and not _needs_grad(q, heads.geometry)
+        and not records_grad(heads.geometry, q)
     )
 
 

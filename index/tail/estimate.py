@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from rewa.attention import DotProduct, Geometry
+from rewa.attention.geometry import records_grad
 
 from ..clusters import ClusterHeads, KeyClusters, QueryFeatures, query_features
-from .exact import _needs_grad
 from .kernel import dot_product_estimate
 
 HERMITE_NODES = 3
@@ -163,7 +163,7 @@ def _fused_applies(queries_w: torch.Tensor, geometry: Geometry, features: QueryF
         and len(features.slices) == 1
         and queries_w.device.type == "cpu"
         and queries_w.dtype in (torch.float32, torch.float64)
-        and not _needs_grad(queries_w, geometry)
+        and not records_grad(geometry, queries_w)
     )
 
 

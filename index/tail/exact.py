@@ -4,13 +4,14 @@ place, merged per query (docs/mathematics.md 7)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from rewa.attention import DotProduct, Geometry
-from rewa.attention.geometry import TileLogits
+from rewa.attention.geometry import TileLogits, records_grad
 from rewa.attention.sparse import softmax_attend
 
 from ..block_scoring import block_scorer
@@ -84,7 +85,7 @@ def _visited_heads(
             qw[0], heads.heads[0], pair_query, pair_cluster, is_always[0], reference
         )
     shared = (
-        qw.device.type == "cpu" and not _needs_grad(qw, heads.geometry) and pair_query.numel() > 0
+        qw.device.type == "cpu" and not records_grad(heads.geometry, qw) and pair_query.numel() > 0
     )
     if shared:
         out, lse, failed = _shared_reference_attention(
@@ -142,7 +143,7 @@ def _visited_attention(
         return _merge_partials(
             n_queries, *_blocked_partials(qw, clusters, pair_query, pair_cluster, is_always)
         )
-    if reference is None or _needs_grad(qw, clusters.geometry):
+    if reference is None or records_grad(clusters.geometry, qw):
         return _merge_partials(
             n_queries, *_per_cluster_partials(qw, clusters, pair_query, pair_cluster, is_always)
         )
@@ -158,14 +159,6 @@ def _visited_attention(
         out = torch.where(failed.unsqueeze(-1), out_again, out)
         lse = torch.where(failed, lse_again, lse)
     return out, lse
-
-
-def _needs_grad(qw: torch.Tensor, geometry: torch.nn.Module) -> bool:
-    """Whether autograd must see the exact part: the queries or a parameter of the geometry
-    require a gradient (the clustered keys and their statistics never do)."""
-    if not torch.is_grad_enabled():
-        return False
-    return qw.requires_grad or any(p.requires_grad for p in geometry.parameters())
 
 
 def _shared_reference_attention(
@@ -236,7 +229,8 @@ def _cluster_product_sums(
             queries, heads, runs, bias, is_always, has_always, weighted_values, weight_sums
         )
     else:
-        for head_runs in _runs_by_head(runs):
+        for _, runs_of_head in itertools.groupby(runs, key=lambda run: run[0]):
+            head_runs = list(runs_of_head)
             logits = _head_tile_logits(geometry, queries, heads, head_runs)
             for (head, cluster, part, keys), tile in zip(head_runs, logits, strict=True):
                 clusters = heads[head]
@@ -251,18 +245,6 @@ def _cluster_product_sums(
                 torch.sum(weights, dim=-1, out=weight_sums[part])
     out = _rows_added(weighted_values.new_zeros(n_rows, value_dim), rows, weighted_values)
     return out, weight_sums.new_zeros(n_rows).index_add_(0, rows, weight_sums)
-
-
-def _runs_by_head(
-    runs: list[tuple[int, int, slice, slice]],
-) -> list[list[tuple[int, int, slice, slice]]]:
-    """The runs of `_runs_by_cluster` (sorted by head) split into one list per head."""
-    by_head: list[list[tuple[int, int, slice, slice]]] = []
-    for run in runs:
-        if not by_head or by_head[-1][0][0] != run[0]:
-            by_head.append([])
-        by_head[-1].append(run)
-    return by_head
 
 
 def _head_tile_logits(

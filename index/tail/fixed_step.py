@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from rewa.attention import DotProduct, merge_attention
+from rewa.attention.geometry import records_grad
 from rewa.attention.sparse import softmax_attend
 
 from ..clusters import ClusterHeads
 from .calibration import CALIBRATION_STEPS
 from .estimate import _estimate_heads
-from .exact import _needs_grad
 from .selection import _most_massive, ordinary_averages, walk_widths
 from .unread import shift_dtype, shift_shares, unread_weights
 
@@ -102,7 +102,7 @@ def fixed_shape_step_applies(
         and tail
         and not measured_queries
         and budget_keys > 0
-        and not _needs_grad(qw, heads.geometry)
+        and not records_grad(heads.geometry, qw)
     ):
         return False
     slots = n_slots(_largest(heads), budget_keys, n_always)
