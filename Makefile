@@ -59,14 +59,13 @@ lint: $(VENV)/.dev-installed
 
 # Test files run on TEST_WORKERS processes (pytest-xdist), a file's tests all on one process, so
 # a module's servers and fixtures are started once. OpenMP's idle threads sleep instead of
-# spinning (OMP_WAIT_POLICY=PASSIVE, inherited by the servers and scripts the tests start): two
-# processes with PyTorch's threads each on two cores otherwise spin against each other, and the
-# suite took half as long again (docs/benchmark-notes.md, "The test suite on two workers").
+# spinning (unless the environment sets OMP_WAIT_POLICY): otherwise two processes' threads spin
+# against each other on two cores (docs/benchmark-notes.md, "The test suite on two workers").
 TEST_WORKERS ?= 2
-TEST_OMP_WAIT_POLICY ?= PASSIVE
 
+test: export OMP_WAIT_POLICY ?= PASSIVE
 test: lint redis
-	OMP_WAIT_POLICY=$(TEST_OMP_WAIT_POLICY) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # Every benchmark (gpu.py only where CUDA is available), then docs/benchmarks.md from the results.
 bench: $(VENV)/.dev-installed
